@@ -1,0 +1,233 @@
+"""Gateway configuration: parse YAML -> defaults -> validate -> compile into a frozen snapshot.
+
+Unknown keys are errors, and every error names the path of the field it is about
+(``pools[1].endpoints[0]: not host:port``). Secrets (pool credentials) are read from environment
+variables or files when the config is compiled and never appear in ``repr`` or logs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+_HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@-]*$")
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the field path."""
+
+
+def _host_port(endpoint: str) -> str:
+    match = _HOST_PORT.match(endpoint)
+    if not match or not 0 < int(match.group(2)) < 65536:
+        raise ValueError(f"{endpoint!r} is not host:port")
+    return endpoint
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class CredentialSpec(_Strict):
+    """Where a pool's own API key comes from: an environment variable or a file, never inline."""
+
+    env: str | None = None
+    file: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> CredentialSpec:
+        if (self.env is None) == (self.file is None):
+            raise ValueError("give exactly one of env or file")
+        return self
+
+
+class PoolSpec(_Strict):
+    """A set of interchangeable inference pods serving the same models."""
+
+    name: Annotated[str, Field(pattern=_NAME.pattern)]
+    endpoints: list[Annotated[str, AfterValidator(_host_port)]] = Field(default_factory=list)
+    # `llmgw up` starts this many simulated pods and fills `endpoints` with their addresses.
+    simulate: Annotated[int, Field(ge=0, le=64)] = 0
+    credential: CredentialSpec | None = None
+
+    @model_validator(mode="after")
+    def _has_endpoints(self) -> PoolSpec:
+        if not self.endpoints and not self.simulate:
+            raise ValueError("a pool needs endpoints (or simulate: N for the local stack)")
+        return self
+
+
+class ModelSpec(_Strict):
+    """A model as pods serve it (``name``), the aliases clients may use, and the pool serving it."""
+
+    name: Annotated[str, Field(pattern=_NAME.pattern)]
+    pool: str
+    aliases: list[Annotated[str, Field(pattern=_NAME.pattern)]] = Field(default_factory=list)
+    owned_by: str = "llmgw"
+    max_model_len: Annotated[int, Field(gt=0)] | None = None
+
+
+class ServerSpec(_Strict):
+    """The ext_proc server process settings."""
+
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 50051
+    workers: Annotated[int, Field(ge=0, le=256)] = 0  # 0 = one per core
+    max_body_bytes: Annotated[int, Field(gt=0, le=1 << 30)] = DEFAULT_MAX_BODY_BYTES
+
+
+class GatewaySpec(_Strict):
+    """The whole YAML document."""
+
+    server: ServerSpec = Field(default_factory=ServerSpec)
+    redis_url: str | None = None
+    pools: list[PoolSpec]
+    models: list[ModelSpec]
+
+    @model_validator(mode="after")
+    def _cross_references(self) -> GatewaySpec:
+        pool_names = [p.name for p in self.pools]
+        _no_duplicates("pools", pool_names)
+        seen: dict[str, str] = {}
+        for i, model in enumerate(self.models):
+            if model.pool not in pool_names:
+                raise ValueError(f"models[{i}].pool: no pool named {model.pool!r}")
+            for j, name in enumerate([model.name, *model.aliases]):
+                where = f"models[{i}].name" if j == 0 else f"models[{i}].aliases[{j - 1}]"
+                if name in seen:
+                    raise ValueError(f"{where}: {name!r} is already used by {seen[name]}")
+                seen[name] = where
+        return self
+
+
+def _no_duplicates(path: str, names: list[str]) -> None:
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ValueError(f"{path}[{i}].name: duplicate name {name!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The compiled snapshot: immutable, what the request path reads.
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """A compiled pool: endpoints and the credential pods expect (redacted in repr)."""
+
+    name: str
+    endpoints: tuple[str, ...]
+    credential: str | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    """A compiled model entry."""
+
+    name: str
+    pool: Pool
+    aliases: tuple[str, ...]
+    owned_by: str
+    max_model_len: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """The frozen snapshot the request path reads; swapped whole, never mutated."""
+
+    models_by_name: dict[str, Model]  # canonical names and aliases
+    models: tuple[Model, ...]
+    pools: dict[str, Pool]
+    max_body_bytes: int
+    server: ServerSpec
+    redis_url: str | None = field(repr=False)
+
+    def lookup(self, requested: str) -> Model | None:
+        """The model a client's ``model`` field names, through aliases; None when unknown."""
+        return self.models_by_name.get(requested)
+
+
+def format_validation_error(error: ValidationError) -> str:
+    """One line per problem, each starting with the dotted/indexed path of the field."""
+    lines = []
+    for item in error.errors():
+        path = _format_loc(item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown field"
+        lines.append(f"{path}: {message}" if path else message)
+    return "\n".join(lines)
+
+
+def _format_loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def parse_config(document: Any, *, env: dict[str, str] | None = None) -> GatewayConfig:
+    """Validate a parsed YAML document and compile it; raises ConfigError naming the field."""
+    if not isinstance(document, dict):
+        raise ConfigError("config: expected a mapping at the top level")
+    try:
+        spec = GatewaySpec.model_validate(document)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error)) from None
+    return compile_spec(spec, env=os.environ if env is None else env)
+
+
+def compile_spec(spec: GatewaySpec, *, env: dict[str, str] | os._Environ[str]) -> GatewayConfig:
+    """Resolve credentials and build the lookup tables of the snapshot."""
+    pools: dict[str, Pool] = {}
+    for i, p in enumerate(spec.pools):
+        if not p.endpoints:
+            raise ConfigError(f"pools[{i}].endpoints: empty (simulated pools get theirs from `llmgw up`)")
+        pools[p.name] = Pool(p.name, tuple(p.endpoints), _read_credential(p.credential, f"pools[{i}].credential", env))
+    models = tuple(
+        Model(m.name, pools[m.pool], tuple(m.aliases), m.owned_by, m.max_model_len) for m in spec.models
+    )
+    by_name = {name: model for model in models for name in (model.name, *model.aliases)}
+    redis_url = spec.redis_url or env.get("LLMGW_REDIS_URL") or None
+    return GatewayConfig(by_name, models, pools, spec.server.max_body_bytes, spec.server, redis_url)
+
+
+def _read_credential(spec: CredentialSpec | None, path: str, env: Any) -> str | None:
+    if spec is None:
+        return None
+    if spec.env is not None:
+        value = env.get(spec.env)
+        if not value:
+            raise ConfigError(f"{path}.env: environment variable {spec.env} is not set")
+        return value
+    assert spec.file is not None
+    try:
+        return Path(spec.file).read_text().strip()
+    except OSError as error:
+        raise ConfigError(f"{path}.file: cannot read {spec.file}: {error.strerror}") from None
+
+
+def load_spec(path: str | Path) -> GatewaySpec:
+    """Read and validate a YAML file into a spec (not yet compiled)."""
+    try:
+        document = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise ConfigError(f"{path}: {error}") from None
+    if not isinstance(document, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    try:
+        return GatewaySpec.model_validate(document)
+    except ValidationError as error:
+        raise ConfigError(f"{path}:\n{format_validation_error(error)}") from None
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    """Read, validate and compile a YAML config file."""
+    return compile_spec(load_spec(path), env=os.environ)

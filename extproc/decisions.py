@@ -1,0 +1,50 @@
+"""What the pure core decides for one ext_proc message; `extproc.wire` turns these into protobuf."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from extproc.api import ApiError
+
+Headers = tuple[tuple[str, str], ...]
+JSON_CONTENT_TYPE = ("content-type", "application/json")
+
+
+@dataclass(frozen=True, slots=True)
+class Continue:
+    """Let the request go on, with header changes and possibly a new body.
+
+    ``clear_route_cache`` makes Envoy pick the route again after headers set from the body
+    (envoy.service.ext_proc.v3.CommonResponse.clear_route_cache).
+    """
+
+    set_headers: Headers = ()
+    remove_headers: tuple[str, ...] = ()
+    body: bytes | None = None
+    clear_route_cache: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Answer the client now (an ImmediateResponse); the request never reaches a pod.
+
+    Envoy runs no response-header phase for it, so every header the client needs is here.
+    """
+
+    status: int
+    body: bytes
+    headers: Headers = ()
+
+    @classmethod
+    def error(cls, error: ApiError, headers: Headers = ()) -> Reply:
+        """An OpenAI-style error reply."""
+        return cls(error.status, error.body(), (JSON_CONTENT_TYPE, *headers))
+
+    @classmethod
+    def json(cls, status: int, body: bytes, headers: Headers = ()) -> Reply:
+        """A JSON reply made by the gateway itself (``/v1/models``)."""
+        return cls(status, body, (JSON_CONTENT_TYPE, *headers))
+
+
+Decision = Continue | Reply
+PASS_THROUGH = Continue()

@@ -1,0 +1,182 @@
+"""The director: what the gateway decides for each phase of a request. Pure: no grpc, no I/O.
+
+request headers -> path and method, content type and length, identity (request id, traceparent),
+                   internal headers stripped
+request body    -> parse and validate the OpenAI request, resolve the model (aliases), pick an
+                   endpoint of its pool, set the routing headers, rewrite the model name
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import orjson
+
+from extproc.api import OPERATIONS_BY_PATH, ApiError, Operation, ParsedRequest, parse_request
+from extproc.config import GatewayConfig, Model
+from extproc.decisions import Continue, Decision, Headers, Reply
+from extproc.routing.picker import EndpointPicker
+from extproc.telemetry.tracecontext import TraceContext, continue_or_start, request_id
+
+# Headers only the gateway may set: a client's copy is removed before anything routes on it.
+INTERNAL_PREFIX = "x-llmgw-"
+DESTINATION_HEADER = "x-gateway-destination-endpoint"  # read by the ORIGINAL_DST cluster
+ROUTE_HEADER = "x-llmgw-route"
+MODEL_HEADER = "x-llmgw-model"
+POOL_HEADER = "x-llmgw-pool"
+ROUTE_DIRECT = "direct"
+MODELS_PATH = "/v1/models"
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What one request carries through its phases (one per ext_proc stream)."""
+
+    started: float
+    request_id: str = ""
+    trace: TraceContext | None = None
+    operation: Operation | None = None
+    model: Model | None = None
+    endpoint: str | None = None
+    request: ParsedRequest | None = field(default=None, repr=False)
+    rejected: ApiError | None = None
+
+    def identity_headers(self) -> Headers:
+        """Headers that go to the pod and back to the client: ``x-request-id`` and ``traceparent``."""
+        if self.trace is None:
+            return ()
+        return (("x-request-id", self.request_id), ("traceparent", self.trace.traceparent))
+
+
+class Gateway:
+    """Turns request phases into decisions, against one immutable config snapshot."""
+
+    def __init__(self, config: GatewayConfig, picker: EndpointPicker) -> None:
+        self.config = config
+        self._picker = picker
+        self._models_body = _models_list(config)
+
+    def new_request(self) -> RequestState:
+        """State for a new ext_proc stream."""
+        return RequestState(started=time.monotonic())
+
+    # -- phases -----------------------------------------------------------------------------
+
+    def request_headers(self, state: RequestState, headers: Mapping[str, str], end_of_stream: bool) -> Decision:
+        """Check path, method, content type and size; set identity; strip internal headers."""
+        state.request_id = request_id(headers.get("x-request-id"))
+        state.trace = continue_or_start(headers.get("traceparent"))
+        method = headers.get(":method", "")
+        path = headers.get(":path", "").partition("?")[0]
+
+        if path == MODELS_PATH or path.startswith(MODELS_PATH + "/"):
+            if method != "GET":
+                return self._reject(state, ApiError(405, f"{method} is not allowed on {path}; use GET",
+                                                    code="method_not_allowed"), (("allow", "GET"),))
+            return self._models(state, path)
+        operation = OPERATIONS_BY_PATH.get(path)
+        if operation is None:
+            return self._reject(state, ApiError(404, f"Unknown request URL: {method} {path}.", code="unknown_url"))
+        if method != "POST":
+            return self._reject(state, ApiError(405, f"{method} is not allowed on {path}; use POST",
+                                                code="method_not_allowed"), (("allow", "POST"),))
+        state.operation = operation
+
+        content_type = headers.get("content-type", "")
+        if content_type.partition(";")[0].strip().lower() != "application/json":
+            return self._reject(state, ApiError(
+                415, f"Unsupported content type {content_type or '(none)'!r}: send 'Content-Type: application/json'.",
+                code="unsupported_media_type"))
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.config.max_body_bytes:
+            return self._too_large(state, int(length))
+        if end_of_stream:
+            return self._reject(state, ApiError(400, "The request body is empty: send a JSON object.",
+                                                code="invalid_json"))
+
+        strip = tuple(name for name in headers if _is_internal(name))
+        return Continue(set_headers=state.identity_headers(), remove_headers=strip)
+
+    def request_body(self, state: RequestState, body: bytes) -> Decision:
+        """Validate the body, resolve the model, pick an endpoint and route to it."""
+        assert state.operation is not None, "the phase table lets a body in only after POST headers"
+        if len(body) > self.config.max_body_bytes:
+            return self._too_large(state, len(body))
+        try:
+            parsed = parse_request(state.operation, body)
+        except ApiError as error:
+            return self._reject(state, error)
+        state.request = parsed
+        requested = parsed.model.model
+        model = self.config.lookup(requested)
+        if model is None:
+            return self._reject(state, ApiError(
+                404, f"The model '{requested}' does not exist or you do not have access to it.",
+                param="model", code="model_not_found"))
+        state.model = model
+        state.endpoint = self._picker.pick(model.pool.endpoints)
+
+        set_headers: list[tuple[str, str]] = [
+            (ROUTE_HEADER, ROUTE_DIRECT),
+            (DESTINATION_HEADER, state.endpoint),
+            (MODEL_HEADER, model.name),
+            (POOL_HEADER, model.pool.name),
+        ]
+        if model.pool.credential:
+            set_headers.append(("authorization", f"Bearer {model.pool.credential}"))
+        new_body = None
+        if requested != model.name:  # an alias: pods know the model by its served name
+            parsed.raw["model"] = model.name
+            new_body = orjson.dumps(parsed.raw)
+            set_headers.append(("content-length", str(len(new_body))))
+        return Continue(set_headers=tuple(set_headers), body=new_body, clear_route_cache=True)
+
+    def finish(self, state: RequestState) -> None:
+        """The stream ended (response done, client gone or error): release what the request held."""
+        if state.endpoint is not None:
+            self._picker.release(state.endpoint)
+            state.endpoint = None
+
+    # -- replies ----------------------------------------------------------------------------
+
+    def _reject(self, state: RequestState, error: ApiError, extra: Headers = ()) -> Reply:
+        state.rejected = error
+        return Reply.error(error, (*state.identity_headers(), *extra))
+
+    def _too_large(self, state: RequestState, size: int) -> Reply:
+        limit = self.config.max_body_bytes
+        return self._reject(state, ApiError(
+            413, f"The request body is {size} bytes; the limit is {limit} bytes.", code="request_too_large"))
+
+    def _models(self, state: RequestState, path: str) -> Reply:
+        if path == MODELS_PATH:
+            return Reply.json(200, self._models_body, state.identity_headers())
+        name = path[len(MODELS_PATH) + 1:]
+        model = self.config.lookup(name)
+        if model is None:
+            return self._reject(state, ApiError(
+                404, f"The model '{name}' does not exist or you do not have access to it.",
+                param="model", code="model_not_found"))
+        return Reply.json(200, orjson.dumps(_model_card(name, model)), state.identity_headers())
+
+
+def _is_internal(name: str) -> bool:
+    return name.startswith(INTERNAL_PREFIX) or name == DESTINATION_HEADER or name == "authorization"
+
+
+def _model_card(name: str, model: Model) -> dict[str, object]:
+    card: dict[str, object] = {"id": name, "object": "model", "created": 0, "owned_by": model.owned_by}
+    if name != model.name:
+        card["root"] = model.name  # an alias: vLLM's field for the model it serves
+    if model.max_model_len:
+        card["max_model_len"] = model.max_model_len
+    return card
+
+
+def _models_list(config: GatewayConfig) -> bytes:
+    """``GET /v1/models``: every name a client may use, canonical names first, then aliases."""
+    cards = [_model_card(m.name, m) for m in config.models]
+    cards += [_model_card(alias, m) for m in config.models for alias in m.aliases]
+    return orjson.dumps({"object": "list", "data": cards})

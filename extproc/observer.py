@@ -1,0 +1,159 @@
+"""What the observability-mode filter learns about a response, without ever delaying it. Pure.
+
+Envoy streams the response body to the observer as it reaches the client. The usage a pod reports
+is at the end: the ``usage`` object of a JSON body, or of the last SSE chunk when the client asked
+``stream_options.include_usage``. Keeping a bounded tail of the body is enough to find it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import orjson
+
+TAIL_BYTES = 16 * 1024
+_USAGE_KEY = b'"usage":'
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token usage as the pod reported it (OpenAI ``usage``)."""
+
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int = 0
+
+
+def find_usage(tail: bytes) -> Usage | None:
+    """The last non-null ``usage`` object in ``tail`` (JSON or SSE text), or None."""
+    at = tail.rfind(_USAGE_KEY)
+    while at >= 0:
+        start = at + len(_USAGE_KEY)
+        while start < len(tail) and tail[start] in b" \t":
+            start += 1
+        end = _object_end(tail, start)
+        if end is not None:
+            try:
+                usage = orjson.loads(tail[start:end])
+            except orjson.JSONDecodeError:
+                usage = None
+            if isinstance(usage, dict):
+                return _usage(usage)
+        at = tail.rfind(_USAGE_KEY, 0, at)
+    return None
+
+
+def _usage(raw: dict[str, object]) -> Usage | None:
+    prompt, completion = raw.get("prompt_tokens"), raw.get("completion_tokens", 0)
+    if not isinstance(prompt, int) or not isinstance(completion, int):
+        return None
+    details = raw.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+    return Usage(prompt, completion, cached if isinstance(cached, int) else 0)
+
+
+def _object_end(data: bytes, start: int) -> int | None:
+    """Index just past the JSON object starting at ``start`` (strings respected), or None."""
+    if start >= len(data) or data[start] != ord("{"):
+        return None
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(data)):
+        c = data[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == 0x5C:  # backslash
+                escaped = True
+            elif c == 0x22:
+                in_string = False
+        elif c == 0x22:
+            in_string = True
+        elif c == 0x7B:
+            depth += 1
+        elif c == 0x7D:
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+@dataclass(slots=True)
+class ResponseObservation:
+    """One request seen from the observer: identity from request headers, then the response."""
+
+    started: float = field(default_factory=time.monotonic)
+    request_id: str = ""
+    model: str = ""
+    pool: str = ""
+    endpoint: str = ""
+    path: str = ""
+    status: int = 0
+    streamed: bool = False
+    first_byte_at: float | None = None
+    finished_at: float | None = None
+    body_bytes: int = 0
+    chunks: int = 0
+    tail: bytearray = field(default_factory=bytearray, repr=False)
+
+    def on_request_headers(self, headers: Mapping[str, str]) -> None:
+        """Identity and route, as the main filter left them on the request."""
+        self.request_id = headers.get("x-request-id", "")
+        self.model = headers.get("x-llmgw-model", "")
+        self.pool = headers.get("x-llmgw-pool", "")
+        self.endpoint = headers.get("x-gateway-destination-endpoint", "")
+        self.path = headers.get(":path", "").partition("?")[0]
+
+    def on_response_headers(self, headers: Mapping[str, str], end_of_stream: bool) -> None:
+        """Status and whether the body is an event stream."""
+        status = headers.get(":status", "0")
+        self.status = int(status) if status.isdigit() else 0
+        self.streamed = headers.get("content-type", "").startswith("text/event-stream")
+        if end_of_stream:
+            self.finished_at = time.monotonic()
+
+    def on_response_body(self, chunk: bytes, end_of_stream: bool) -> None:
+        """Count the chunk and keep the tail where the usage will be."""
+        now = time.monotonic()
+        if chunk:
+            if self.first_byte_at is None:
+                self.first_byte_at = now
+            self.body_bytes += len(chunk)
+            self.chunks += 1
+            self.tail += chunk
+            if len(self.tail) > TAIL_BYTES:
+                del self.tail[: len(self.tail) - TAIL_BYTES]
+        if end_of_stream:
+            self.finished_at = now
+
+    @property
+    def complete(self) -> bool:
+        """True once the response's end was seen (not when the client went away first)."""
+        return self.finished_at is not None
+
+    def usage(self) -> Usage | None:
+        """The usage the pod reported, if the body carried one."""
+        return find_usage(bytes(self.tail))
+
+    def record(self) -> dict[str, object]:
+        """A flat record for the access log (GenAI semantic-convention names where they exist)."""
+        usage = self.usage()
+        end = self.finished_at or time.monotonic()
+        return {
+            "request_id": self.request_id,
+            "gen_ai.request.model": self.model,
+            "llmgw.pool": self.pool,
+            "server.address": self.endpoint,
+            "url.path": self.path,
+            "http.response.status_code": self.status,
+            "llmgw.stream": self.streamed,
+            "llmgw.complete": self.complete,
+            "gen_ai.usage.input_tokens": usage.input_tokens if usage else None,
+            "gen_ai.usage.output_tokens": usage.output_tokens if usage else None,
+            "llmgw.usage.cached_tokens": usage.cached_tokens if usage else None,
+            "llmgw.time_to_first_byte_ms": round((self.first_byte_at - self.started) * 1000, 2)
+            if self.first_byte_at else None,
+            "llmgw.duration_ms": round((end - self.started) * 1000, 2),
+            "llmgw.response_bytes": self.body_bytes,
+        }

@@ -1,0 +1,1 @@
+"""Routing: model name -> pool and served model, then pool -> endpoint."""

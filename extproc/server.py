@@ -1,0 +1,171 @@
+"""The ext_proc gRPC server (grpc.aio): a tiny stream loop around the pure core.
+
+    recv -> check the phase table -> gateway decides -> wire -> send
+
+Both Envoy filters talk to this one service. A stream whose messages carry ``observability_mode``
+comes from the observer filter: Envoy does not wait for answers there, and none is sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import orjson
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from extproc.api import ApiError
+from extproc.config import GatewayConfig, load_config
+from extproc.decisions import PASS_THROUGH, Decision, Reply
+from extproc.gateway import Gateway, RequestState
+from extproc.observer import ResponseObservation
+from extproc.phases import Phase, ProtocolError, Stage, advance, check
+from extproc.routing.picker import LeastInFlight
+from extproc.wire import headers_to_dict, to_response
+
+log = logging.getLogger("llmgw.extproc")
+access_log = logging.getLogger("llmgw.access")
+
+_INTERNAL_ERROR = ApiError(500, "The gateway failed to process the request; it was not forwarded.",
+                           type="server_error", code="internal_error")
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+    """The servicer: one ``Process`` stream per HTTP request and filter."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def Process(  # noqa: N802 (the gRPC method name)
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        """Answer each message of a main-filter stream; only watch an observer stream."""
+        state: RequestState | None = None
+        observation: ResponseObservation | None = None
+        stage = Stage.START
+        try:
+            async for message in request_iterator:
+                kind = message.WhichOneof("request")
+                if kind is None:
+                    raise ProtocolError("a ProcessingRequest without a request message")
+                phase = Phase(kind)
+                if message.observability_mode:
+                    if observation is None:
+                        observation = ResponseObservation()
+                    _observe(observation, phase, message)
+                    if observation.complete:
+                        _log_access(observation)  # now, not at Envoy's deferred stream close
+                        observation = None
+                    continue
+                if state is None:
+                    state = self.gateway.new_request()
+                check(stage, phase)
+                decision, end_of_stream = self._decide(state, phase, message)
+                stage = advance(stage, phase, answered=isinstance(decision, Reply), end_of_stream=end_of_stream)
+                yield to_response(phase, decision)
+        except ProtocolError as error:
+            log.error("ext_proc protocol error: %s (request_id=%s)", error, state.request_id if state else "-")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        finally:
+            if state is not None:
+                self.gateway.finish(state)
+            if observation is not None:
+                _log_access(observation)  # the stream ended first: the client went away
+
+    def _decide(self, state: RequestState, phase: Phase, message: pb.ProcessingRequest) -> tuple[Decision, bool]:
+        try:
+            if phase is Phase.REQUEST_HEADERS:
+                headers = message.request_headers
+                eos = headers.end_of_stream
+                return self.gateway.request_headers(state, headers_to_dict(headers.headers), eos), eos
+            if phase is Phase.REQUEST_BODY:
+                body = message.request_body
+                return self.gateway.request_body(state, body.body), body.end_of_stream
+            return PASS_THROUGH, True  # response phases, if an operator turns them on
+        except Exception:  # a bug must fail this request closed with a 500, never the server
+            log.exception("failed to process %s (request_id=%s)", phase.value, state.request_id)
+            state.rejected = _INTERNAL_ERROR
+            return Reply.error(_INTERNAL_ERROR, state.identity_headers()), True
+
+
+def _observe(observation: ResponseObservation, phase: Phase, message: pb.ProcessingRequest) -> None:
+    if phase is Phase.REQUEST_HEADERS:
+        observation.on_request_headers(headers_to_dict(message.request_headers.headers))
+    elif phase is Phase.RESPONSE_HEADERS:
+        headers = message.response_headers
+        observation.on_response_headers(headers_to_dict(headers.headers), headers.end_of_stream)
+    elif phase is Phase.RESPONSE_BODY:
+        observation.on_response_body(message.response_body.body, message.response_body.end_of_stream)
+
+
+def _log_access(observation: ResponseObservation) -> None:
+    access_log.info("%s", orjson.dumps(observation.record()).decode())
+
+
+def build_server(config: GatewayConfig) -> grpc.aio.Server:
+    """A grpc.aio server carrying the servicer; messages as large as Envoy may buffer."""
+    limit = config.max_body_bytes + (1 << 20)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 1),  # one process per core shares the port
+            ("grpc.max_concurrent_streams", 10000),
+        ]
+    )
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(Gateway(config, LeastInFlight())), server)
+    return server
+
+
+async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[int], None]) -> None:
+    """Run until SIGTERM/SIGINT, then drain streams for up to 5 s."""
+    server = build_server(config)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    ready(bound)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=5)
+
+
+def configure_logging(level: str = "INFO") -> None:
+    """One line per record on stderr; access records are JSON."""
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m extproc.server``: one worker process (``llmgw serve`` starts several)."""
+    parser = argparse.ArgumentParser(prog="python -m extproc.server", description=__doc__)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--host", default=None)
+    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--log-level", default=os.environ.get("LLMGW_LOG_LEVEL", "INFO"))
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    config = load_config(args.config)
+    host = args.host or config.server.host
+    port = config.server.port if args.port is None else args.port
+
+    def ready(bound: int) -> None:
+        print(f"READY {host}:{bound}", flush=True)
+
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(config, host, port, ready))
+    else:
+        uvloop.run(serve(config, host, port, ready))
+
+
+if __name__ == "__main__":
+    main()

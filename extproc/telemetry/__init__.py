@@ -1,0 +1,1 @@
+"""Request identity, W3C trace context, spans and metrics."""

@@ -1,0 +1,63 @@
+"""W3C Trace Context (https://www.w3.org/TR/trace-context/) and request ids, as pure functions."""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from dataclasses import dataclass
+
+# traceparent = version "-" trace-id "-" parent-id "-" trace-flags  (section 3.2.2)
+_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
+# A client's x-request-id is kept when it is short and made of safe characters.
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+
+
+@dataclass(frozen=True, slots=True)
+class TraceContext:
+    """The gateway's span within a trace: the trace it belongs to and the caller's span, if any."""
+
+    trace_id: str
+    span_id: str
+    parent_span_id: str | None
+    flags: str
+
+    @property
+    def traceparent(self) -> str:
+        """The header value that makes the gateway's span the parent of the pod's."""
+        return f"00-{self.trace_id}-{self.span_id}-{self.flags}"
+
+
+def _random_hex(nbytes: int) -> str:
+    while True:
+        value = os.urandom(nbytes).hex()
+        if value.strip("0"):  # all-zero ids are invalid (3.2.2.3, 3.2.2.4)
+            return value
+
+
+def continue_or_start(header: str | None) -> TraceContext:
+    """Continue the caller's trace from a valid ``traceparent``; otherwise start a new, sampled one.
+
+    Version ff and all-zero ids are invalid (3.2.2.1, 3.2.2.3-4); a version 00 header must have
+    exactly four fields, a higher version may carry more (3.2.4: parse what we understand).
+    """
+    if header:
+        match = _TRACEPARENT.match(header.strip())
+        if match:
+            version, trace_id, parent_id, flags, rest = match.groups()
+            valid = (
+                version != "ff"
+                and not (version == "00" and rest)
+                and trace_id.strip("0")
+                and parent_id.strip("0")
+            )
+            if valid:
+                return TraceContext(trace_id, _random_hex(8), parent_id, flags)
+    return TraceContext(_random_hex(16), _random_hex(8), None, "01")
+
+
+def request_id(header: str | None) -> str:
+    """Keep a well-formed client ``x-request-id``; otherwise generate a UUID4."""
+    if header and _REQUEST_ID.match(header):
+        return header
+    return str(uuid.uuid4())
