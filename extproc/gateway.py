@@ -18,7 +18,7 @@ from extproc.api import OPERATIONS_BY_PATH, ApiError, Operation, ParsedRequest, 
 from extproc.config import GatewayConfig, Model
 from extproc.decisions import Continue, Decision, Headers, Reply
 from extproc.routing.picker import EndpointPicker
-from extproc.telemetry.tracecontext import TraceContext, continue_or_start, request_id
+from extproc.telemetry.tracecontext import IdSource, TraceContext, continue_or_start, random_hex, request_id
 
 # Headers only the gateway may set: a client's copy is removed before anything routes on it.
 INTERNAL_PREFIX = "x-llmgw-"
@@ -53,9 +53,10 @@ class RequestState:
 class Gateway:
     """Turns request phases into decisions, against one immutable config snapshot."""
 
-    def __init__(self, config: GatewayConfig, picker: EndpointPicker) -> None:
+    def __init__(self, config: GatewayConfig, picker: EndpointPicker, new_id: IdSource = random_hex) -> None:
         self.config = config
         self._picker = picker
+        self._new_id = new_id
         self._models_body = _models_list(config)
 
     def new_request(self) -> RequestState:
@@ -66,8 +67,8 @@ class Gateway:
 
     def request_headers(self, state: RequestState, headers: Mapping[str, str], end_of_stream: bool) -> Decision:
         """Check path, method, content type and size; set identity; strip internal headers."""
-        state.request_id = request_id(headers.get("x-request-id"))
-        state.trace = continue_or_start(headers.get("traceparent"))
+        state.request_id = request_id(headers.get("x-request-id"), self._new_id)
+        state.trace = continue_or_start(headers.get("traceparent"), self._new_id)
         method = headers.get(":method", "")
         path = headers.get(":path", "").partition("?")[0]
 

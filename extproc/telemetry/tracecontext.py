@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # traceparent = version "-" trace-id "-" parent-id "-" trace-flags  (section 3.2.2)
@@ -28,14 +29,18 @@ class TraceContext:
         return f"00-{self.trace_id}-{self.span_id}-{self.flags}"
 
 
-def _random_hex(nbytes: int) -> str:
+def random_hex(nbytes: int) -> str:
+    """``nbytes`` random bytes as hex, never all zero."""
     while True:
         value = os.urandom(nbytes).hex()
         if value.strip("0"):  # all-zero ids are invalid (3.2.2.3, 3.2.2.4)
             return value
 
 
-def continue_or_start(header: str | None) -> TraceContext:
+IdSource = Callable[[int], str]  # nbytes -> hex id; tests pass a deterministic one
+
+
+def continue_or_start(header: str | None, new_id: IdSource = random_hex) -> TraceContext:
     """Continue the caller's trace from a valid ``traceparent``; otherwise start a new, sampled one.
 
     Version ff and all-zero ids are invalid (3.2.2.1, 3.2.2.3-4); a version 00 header must have
@@ -52,12 +57,12 @@ def continue_or_start(header: str | None) -> TraceContext:
                 and parent_id.strip("0")
             )
             if valid:
-                return TraceContext(trace_id, _random_hex(8), parent_id, flags)
-    return TraceContext(_random_hex(16), _random_hex(8), None, "01")
+                return TraceContext(trace_id, new_id(8), parent_id, flags)
+    return TraceContext(new_id(16), new_id(8), None, "01")
 
 
-def request_id(header: str | None) -> str:
-    """Keep a well-formed client ``x-request-id``; otherwise generate a UUID4."""
+def request_id(header: str | None, new_id: IdSource = random_hex) -> str:
+    """Keep a well-formed client ``x-request-id``; otherwise generate a UUID (version 4 layout)."""
     if header and _REQUEST_ID.match(header):
         return header
-    return str(uuid.uuid4())
+    return str(uuid.UUID(hex=new_id(16), version=4))

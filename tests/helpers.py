@@ -1,0 +1,63 @@
+"""Shared builders for tests: configs, deterministic ids, ext_proc messages."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc.config import GatewayConfig, parse_config
+
+CONFIG = {
+    "server": {"max_body_bytes": 4096},
+    "pools": [
+        {"name": "general", "endpoints": ["10.0.0.1:8000", "10.0.0.2:8000"]},
+        {"name": "secure", "endpoints": ["10.0.1.1:8000"], "credential": {"env": "POOL_KEY"}},
+    ],
+    "models": [
+        {"name": "llama-3-8b-instruct", "pool": "general", "aliases": ["gpt-4o-mini"]},
+        {"name": "qwen-72b", "pool": "secure", "max_model_len": 32768},
+    ],
+}
+
+
+def make_config(**server: object) -> GatewayConfig:
+    """The test config, with optional server overrides."""
+    document = {**CONFIG, "server": {**CONFIG["server"], **server}}
+    return parse_config(document, env={"POOL_KEY": "sk-pool-secret"})
+
+
+def counting_ids() -> Iterator[str]:
+    """Deterministic hex ids: 000..001, 000..002, ..."""
+    return (f"{n:x}" for n in itertools.count(1))
+
+
+def deterministic_id_source():  # noqa: ANN201
+    """An IdSource giving zero-padded counter ids of the requested size."""
+    counter = itertools.count(1)
+    return lambda nbytes: f"{next(counter):0{nbytes * 2}x}"
+
+
+def header_map(headers: dict[str, str]) -> HeaderMap:
+    """An Envoy HeaderMap as the ext_proc filter sends it (values in raw_value)."""
+    return HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()])
+
+
+def request_headers(headers: dict[str, str], end_of_stream: bool = False, observe: bool = False) -> pb.ProcessingRequest:
+    """A request_headers ProcessingRequest."""
+    return pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(headers=header_map(headers), end_of_stream=end_of_stream),
+        observability_mode=observe,
+    )
+
+
+def request_body(body: bytes, end_of_stream: bool = True) -> pb.ProcessingRequest:
+    """A request_body ProcessingRequest (BUFFERED: the whole body)."""
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=end_of_stream))
+
+
+def post_headers(path: str = "/v1/chat/completions", **extra: str) -> dict[str, str]:
+    """Headers of a JSON POST as Envoy passes them."""
+    return {":method": "POST", ":path": path, ":authority": "gw", "content-type": "application/json", **extra}
