@@ -1,0 +1,37 @@
+"""A real local stack for end-to-end tests: simulated pods, extproc workers, Envoy; free ports only."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from extproc.launcher import LocalStack, StackInfo, StackOptions, free_port
+
+MAX_BODY = 64 * 1024
+E2E_CONFIG = {
+    "server": {"max_body_bytes": MAX_BODY},
+    "pools": [{"name": "local", "simulate": 2}],
+    "models": [{"name": "llama-3-8b-instruct", "pool": "local", "aliases": ["gpt-4o-mini"]}],
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "/e2e/" in str(item.fspath):
+            item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
+    run_dir = tmp_path_factory.mktemp("stack")
+    config_path = Path(run_dir) / "llmgw.yaml"
+    config_path.write_text(yaml.safe_dump(E2E_CONFIG))
+    options = StackOptions(
+        config_path=config_path, run_dir=run_dir, port=free_port(), workers=2, envoy_concurrency=2,
+        sim_args=("--record", "200", "--seed", "1"), log_level="WARNING",
+    )
+    with LocalStack(options) as info:
+        yield info
