@@ -30,14 +30,16 @@ FinishReason = Literal["stop", "length"]
 
 # A fixed seed for greedy decoding: temperature 0 makes the text a function of the prompt.
 _GREEDY_SEED = 0
+DEFAULT_OUTPUT_LEN_MEAN = 256.0
+DEFAULT_OUTPUT_LEN_SIGMA = 1.0
 
 
 @dataclass(frozen=True, slots=True)
 class LengthModel:
     """The default output-length distribution (a log-normal with the given mean)."""
 
-    mean: float = 256.0
-    sigma: float = 1.0
+    mean: float = DEFAULT_OUTPUT_LEN_MEAN
+    sigma: float = DEFAULT_OUTPUT_LEN_SIGMA
 
     def __post_init__(self) -> None:
         if self.mean < 1 or self.sigma < 0:
@@ -76,22 +78,26 @@ class OutputPlan:
         return "".join(self.deltas)
 
 
-def choice_seed(params: SamplingParams, fallback_seed: int, prompt_ids: Sequence[int],
-                choice_index: int) -> int:
-    """The RNG seed of one choice (see module doc). Stable across runs: hashes of int tuples
-    do not depend on PYTHONHASHSEED."""
+def prompt_key(prompt_ids: Sequence[int]) -> int:
+    """A stable key of a prompt's token ids (hashes of int tuples ignore PYTHONHASHSEED)."""
+    return hash(tuple(prompt_ids))
+
+
+def choice_seed(params: SamplingParams, fallback_seed: int, prompt: int, choice_index: int) -> int:
+    """The RNG seed of one choice of the prompt with key ``prompt`` (see module doc)."""
     if params.temperature == 0:
         base = _GREEDY_SEED
     elif params.seed is not None:
         base = params.seed
     else:
         base = fallback_seed
-    return hash((base, tuple(prompt_ids), choice_index))
+    return hash((base, prompt, choice_index))
 
 
-def plan_output(words: WordTable, lengths: LengthModel, params: SamplingParams,
-                seed: int, ignore_eos: bool = False) -> OutputPlan:
-    """The output of one choice; ``ignore_eos`` forces max_tokens (a server-wide default)."""
+def plan_output(words: WordTable, lengths: LengthModel, params: SamplingParams, seed: int, *,
+                ignore_eos: bool = False, opening: bool = True) -> OutputPlan:
+    """The output of one choice. ``ignore_eos`` forces max_tokens (a server-wide default);
+    ``opening`` starts with a capitalised word (a chat answer) rather than a continuation."""
     rng = random.Random(seed)
     natural = lengths.sample(rng)
     if params.ignore_eos or ignore_eos:
@@ -99,9 +105,13 @@ def plan_output(words: WordTable, lengths: LengthModel, params: SamplingParams,
     natural = max(natural, params.min_tokens)
     length = min(natural, params.max_tokens)
     finish: FinishReason = "length" if natural >= params.max_tokens else "stop"
-    ids = [rng.choice(words.opening_ids)]
-    if length > 1:
-        ids.extend(rng.choices(words.pool(params.temperature), k=length - 1))
+    pool = words.pool(params.temperature)
+    if opening:
+        ids = [rng.choice(words.opening_ids)]
+        ids.extend(rng.choices(pool, k=length - 1))
+    else:
+        ids = rng.choices(pool, k=length)
+    words.separate_punctuation(ids)
     text_of = words.text
     deltas = [text_of[i] for i in ids]
     if params.stop:

@@ -45,11 +45,26 @@ class WordTable:
 
     pools: tuple[tuple[int, ...], ...]
     opening_ids: tuple[int, ...]
+    punctuation_ids: frozenset[int]
+    filler_id: int
     text: dict[int, str]
 
     def pool(self, temperature: float) -> tuple[int, ...]:
         """The body-token pool for ``temperature`` (0 = greedy: the narrowest pool)."""
         return self.pools[min(_TEMPERATURE_BUCKETS, round(temperature * 4))]
+
+    def separate_punctuation(self, ids: list[int]) -> None:
+        """Replace (in place) punctuation that follows punctuation with the filler word:
+        BPE would merge ``.,`` into one token, and the text must re-encode to the same ids."""
+        punctuation = self.punctuation_ids
+        previous = False
+        for k, token in enumerate(ids):
+            if token in punctuation:
+                if previous:
+                    ids[k] = self.filler_id
+                previous = not previous
+            else:
+                previous = False
 
 
 class SimTokenizer:
@@ -113,5 +128,7 @@ def _build_word_table(tokenizer: Tokenizer) -> WordTable:
     return WordTable(
         pools=tuple(pools),
         opening_ids=tuple(opening),
+        punctuation_ids=frozenset(punctuation),
+        filler_id=body[0],
         text={i: _piece_text(pieces[i]) for i in body + opening + punctuation},
     )

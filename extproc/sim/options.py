@@ -1,0 +1,48 @@
+"""Everything a simulated pod is configured with, as one frozen dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from extproc.resources import DEFAULT_TOKENIZER
+from extproc.sim.costmodel import DEFAULT_MAX_MODEL_LEN, CostParams
+from extproc.sim.faults import FaultConfig
+from extproc.sim.generate import LengthModel
+from extproc.sim.scheduler import ENGINE_KINDS, EngineKind
+
+DEFAULT_MODEL = "llama-3-8b-instruct"
+
+
+@dataclass(frozen=True, slots=True)
+class SimOptions:
+    """Configuration of one simulated vLLM pod (the CLI flags map one to one)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    model: str = DEFAULT_MODEL
+    tokenizer: str = DEFAULT_TOKENIZER
+    engine: EngineKind = "continuous"
+    cost: CostParams = field(default_factory=CostParams)
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    lengths: LengthModel = field(default_factory=LengthModel)
+    ignore_eos: bool = False
+    time_scale: float = 1.0
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    seed: int = 0
+    record: int = 0
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINE_KINDS:
+            raise ValueError(f"engine: must be one of {ENGINE_KINDS}, got {self.engine!r}")
+        if self.time_scale < 0:
+            raise ValueError("time_scale: must be >= 0")
+        if self.record < 0:
+            raise ValueError("record: must be >= 0")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: not a TCP port: {self.port}")
+        if self.max_model_len < 1:
+            raise ValueError("max_model_len: must be >= 1")
+        if self.cost.kv_cache_tokens < self.max_model_len:
+            # vLLM refuses to start when one max-length sequence cannot fit in the KV cache.
+            raise ValueError(f"kv_cache_tokens ({self.cost.kv_cache_tokens}) must hold "
+                             f"max_model_len ({self.max_model_len}) tokens")

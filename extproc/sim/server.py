@@ -1,0 +1,396 @@
+"""The HTTP shell of the simulated pod: vLLM's OpenAI-compatible routes on aiohttp.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /metrics``, and ``GET``/``DELETE /debug/requests`` (the last N received
+generation requests, with ``--record N``). Generation requests echo ``x-request-id`` and use
+it in the response id (vLLM's ``--enable-request-id-headers``). Everything the handlers decide
+lives in the pure modules; this one reads the wire, calls them, and writes the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import orjson
+from aiohttp import web
+
+from extproc.sim import responses
+from extproc.sim.engine import RequestTracker, SimEngine
+from extproc.sim.faults import ERROR_TYPES, FaultInjector
+from extproc.sim.generate import OutputPlan, SamplingParams, choice_seed, plan_output, prompt_key
+from extproc.sim.metrics import METRICS_CONTENT_TYPE, SimMetrics
+from extproc.sim.options import SimOptions
+from extproc.sim.prefix_cache import block_hashes
+from extproc.sim.protocol import (
+    ChatPrompt,
+    GenerationRequest,
+    InvalidRequest,
+    TextPrompt,
+    TokenPrompt,
+    parse_generation,
+)
+from extproc.sim.scheduler import SimSequence, make_scheduler
+from extproc.sim.tokens import SimTokenizer
+
+REQUEST_ID_HEADER = "x-request-id"
+_HANG_POLL_S = 0.05
+_CRASH_DELAY_S = 0.05  # let the last response leave the socket before the hard exit
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedRequest:
+    """One received generation request, as ``/debug/requests`` shows it."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: object
+
+    def to_json(self) -> dict[str, object]:
+        """The JSON form of this record."""
+        return {"method": self.method, "path": self.path, "headers": self.headers, "body": self.body}
+
+
+class _HttpError(Exception):
+    """An error answer: status, OpenAI error type, message, param."""
+
+    def __init__(self, status: int, err_type: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.err_type = err_type
+        self.param = param
+
+
+def _bad_request(message: str, param: str | None = None) -> _HttpError:
+    return _HttpError(400, "BadRequestError", message, param)
+
+
+def _exit_hard() -> None:
+    os._exit(1)
+
+
+class SimPod:
+    """One simulated pod: wiring of tokenizer, scheduler, engine, metrics and faults."""
+
+    def __init__(self, options: SimOptions, tokenizer: SimTokenizer,
+                 exit_process: Callable[[], None] = _exit_hard) -> None:
+        self.options = options
+        self.tokenizer = tokenizer
+        self.metrics = SimMetrics(options.model, options.max_model_len)
+        self.scheduler = make_scheduler(options.engine, options.cost)
+        self.engine = SimEngine(self.scheduler, options.time_scale, self.metrics.record_step,
+                                self._on_sequence_finished)
+        self.faults = FaultInjector(options.faults, random.Random(f"faults:{options.seed}"))
+        self._rng = random.Random(f"sampling:{options.seed}")
+        self._exit_process = exit_process
+        self.recorded: deque[RecordedRequest] | None = (
+            deque(maxlen=options.record) if options.record else None)
+        self.created = int(time.time())
+        self._models_body = responses.model_list(options.model, self.created, options.max_model_len)
+
+    # -- wiring -------------------------------------------------------------------------------
+
+    def add_routes(self, app: web.Application) -> None:
+        """Register the pod's routes and its engine task on ``app``."""
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_page)
+        app.router.add_get("/debug/requests", self.debug_requests)
+        app.router.add_delete("/debug/requests", self.clear_debug_requests)
+        app.cleanup_ctx.append(self._engine_task)
+
+    async def _engine_task(self, _app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(self.engine.run(), name="sim-engine")
+        yield
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+    # -- simple routes ------------------------------------------------------------------------
+
+    async def health(self, _request: web.Request) -> web.Response:
+        """``GET /health``: 200 with an empty body, as vLLM answers."""
+        return web.Response(status=200)
+
+    async def models(self, _request: web.Request) -> web.Response:
+        """``GET /v1/models``."""
+        return web.Response(body=self._models_body, content_type="application/json")
+
+    async def metrics_page(self, _request: web.Request) -> web.Response:
+        """``GET /metrics`` in Prometheus text format."""
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    async def debug_requests(self, _request: web.Request) -> web.Response:
+        """``GET /debug/requests``: the last recorded requests, oldest first."""
+        if self.recorded is None:
+            return _error_response(_HttpError(404, "NotFoundError",
+                                              "request recording is off (start with --record N)"))
+        body = orjson.dumps({"requests": [r.to_json() for r in self.recorded]})
+        return web.Response(body=body, content_type="application/json")
+
+    async def clear_debug_requests(self, _request: web.Request) -> web.Response:
+        """``DELETE /debug/requests``: forget what was recorded."""
+        if self.recorded is not None:
+            self.recorded.clear()
+        return web.Response(status=204)
+
+    # -- generation ---------------------------------------------------------------------------
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/chat/completions``."""
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/completions``."""
+        return await self._generate(request, "completion")
+
+    async def _generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        arrived = time.monotonic()
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        crash = self.faults.count_request()
+        try:
+            return await self._serve(request, endpoint, request_id, arrived)
+        except _HttpError as err:
+            return _error_response(err, request_id)
+        finally:
+            if crash:
+                asyncio.get_running_loop().call_later(_CRASH_DELAY_S, self._exit_process)
+
+    async def _serve(self, request: web.Request, endpoint: str, request_id: str,
+                     arrived: float) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body: object = orjson.loads(raw)
+        except orjson.JSONDecodeError as err:
+            self._record(request, raw.decode("utf-8", "replace"))
+            raise _bad_request(f"Invalid JSON body: {err}") from err
+        self._record(request, body)
+
+        decision = self.faults.decide()
+        if decision.error_status is not None:
+            raise _HttpError(decision.error_status, ERROR_TYPES[decision.error_status],
+                             "injected failure (simulated pod)")
+        if decision.hang:
+            await _wait_for_disconnect(request)
+            return web.Response(status=499)
+
+        try:
+            parsed = parse_generation("chat" if endpoint == "chat" else "completion", body)
+        except InvalidRequest as err:
+            raise _bad_request(str(err), err.param) from err
+        if parsed.model is not None and parsed.model != self.options.model:
+            raise _HttpError(404, "NotFoundError", f"The model `{parsed.model}` does not exist.", "model")
+        prompt_ids = self._prompt_ids(parsed)
+        max_tokens = self._max_tokens(parsed, prompt_ids)
+        if decision.spike_s:
+            await asyncio.sleep(decision.spike_s)
+
+        tracker = self._plan(parsed, prompt_ids, max_tokens, arrived)
+        head = responses.ResponseHead(
+            id=f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{request_id}",
+            created=int(time.time()),
+            model=self.options.model,
+        )
+        usage_prompt = sum(len(ids) for ids in prompt_ids)
+        self.engine.submit(tracker)
+        try:
+            if parsed.stream:
+                return await self._stream(request, parsed, tracker, head, request_id, usage_prompt)
+            while not tracker.done:
+                await tracker.wait()
+        finally:
+            if not tracker.done:
+                self._abort(tracker)
+        choices = [responses.ChoiceResult(i, plan.text, plan.finish_reason, plan.stop_reason)
+                   for i, plan in enumerate(tracker.plans)]
+        usage = self._usage(parsed, tracker, usage_prompt)
+        shape = responses.chat_completion if parsed.endpoint == "chat" else responses.text_completion
+        return web.Response(body=shape(head, choices, usage), content_type="application/json",
+                            headers={REQUEST_ID_HEADER: request_id})
+
+    def _record(self, request: web.Request, body: object) -> None:
+        if self.recorded is None:
+            return
+        headers: dict[str, str] = {}
+        for name, value in request.headers.items():
+            key = name.lower()
+            headers[key] = f"{headers[key]}, {value}" if key in headers else value
+        self.recorded.append(RecordedRequest(request.method, request.path, headers, body))
+
+    def _prompt_ids(self, parsed: GenerationRequest) -> list[list[int]]:
+        texts = [p.text for p in parsed.prompts if isinstance(p, TextPrompt)]
+        encoded = iter(self.tokenizer.encode_texts(texts) if texts else [])
+        result: list[list[int]] = []
+        vocab = self.tokenizer.vocab_size
+        for prompt in parsed.prompts:
+            if isinstance(prompt, ChatPrompt):
+                ids = self.tokenizer.encode_segments(prompt.segments)
+            elif isinstance(prompt, TextPrompt):
+                ids = next(encoded)
+            else:
+                ids = prompt.token_ids
+                bad = next((t for t in ids if not 0 <= t < vocab), None)
+                if bad is not None:
+                    raise _bad_request(f"Token id {bad} is out of vocabulary", "prompt")
+            if not ids:
+                raise _bad_request("The decoder prompt cannot be empty", "prompt")
+            result.append(ids)
+        return result
+
+    def _max_tokens(self, parsed: GenerationRequest, prompt_ids: list[list[int]]) -> int:
+        """``max_tokens``, defaulting to the context left, as vLLM does; 400 past the context."""
+        limit = self.options.max_model_len
+        longest = max(len(ids) for ids in prompt_ids)
+        if parsed.max_tokens is None:
+            if longest >= limit:
+                raise _bad_request(
+                    f"This model's maximum context length is {limit} tokens. However, your "
+                    f"request has {longest} input tokens. Please reduce the length of the input "
+                    "messages.", "messages" if parsed.endpoint == "chat" else "prompt")
+            return limit - longest
+        if longest + parsed.max_tokens > limit:
+            raise _bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{longest + parsed.max_tokens} tokens ({longest} in the messages, "
+                f"{parsed.max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion.", "max_tokens")
+        return parsed.max_tokens
+
+    def _plan(self, parsed: GenerationRequest, prompt_ids: list[list[int]], max_tokens: int,
+              arrived: float) -> RequestTracker:
+        params = SamplingParams(max_tokens=max_tokens, temperature=parsed.temperature,
+                                seed=parsed.seed, stop=parsed.stop, ignore_eos=parsed.ignore_eos,
+                                min_tokens=parsed.min_tokens)
+        fallback_seed = self._rng.getrandbits(63)
+        words, lengths, block_size = self.tokenizer.words, self.options.lengths, self.options.cost.block_size
+        chat = parsed.endpoint == "chat"
+        seqs: list[SimSequence] = []
+        plans: list[OutputPlan] = []
+        # OpenAI/vLLM order: choice index = prompt_index * n + i.
+        for ids in prompt_ids:
+            key = prompt_key(ids)
+            hashes = block_hashes(ids, block_size)
+            for i in range(parsed.n):
+                plan = plan_output(words, lengths, params, choice_seed(params, fallback_seed, key, i),
+                                   ignore_eos=self.options.ignore_eos, opening=chat)
+                plans.append(plan)
+                seqs.append(SimSequence(prompt_len=len(ids), block_hashes=hashes,
+                                        output_len=len(plan.token_ids)))
+        return RequestTracker(seqs, plans, parsed.stream, arrived)
+
+    def _usage(self, parsed: GenerationRequest, tracker: RequestTracker,
+               prompt_tokens: int) -> responses.Usage:
+        # Prompt tokens count once per prompt, not per choice (OpenAI, vLLM); cached tokens are
+        # those of each prompt's first choice.
+        first_choices = tracker.seqs[::parsed.n]
+        return responses.Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=sum(len(p.token_ids) for p in tracker.plans),
+            cached_tokens=sum(s.cached_tokens for s in first_choices),
+        )
+
+    async def _stream(self, request: web.Request, parsed: GenerationRequest, tracker: RequestTracker,
+                      head: responses.ResponseHead, request_id: str,
+                      prompt_tokens: int) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache", REQUEST_ID_HEADER: request_id})
+        chat = parsed.endpoint == "chat"
+        delta_chunk = responses.chat_delta_chunk if chat else responses.completion_delta_chunk
+        plans = tracker.plans
+        sent = [0] * len(plans)
+        try:
+            await resp.prepare(request)
+            if chat:
+                await resp.write(b"".join(responses.chat_role_chunk(head, i) for i in range(len(plans))))
+            while True:
+                await tracker.wait()
+                parts: list[bytes] = []
+                for index, plan in enumerate(plans):
+                    delivered, already = tracker.delivered[index], sent[index]
+                    if delivered <= already:
+                        continue
+                    sent[index] = delivered
+                    # A slow reader gets the tokens of several steps in one chunk (vLLM merges too).
+                    text = "".join(plan.deltas[already:delivered])
+                    if delivered == len(plan.token_ids):
+                        parts.append(delta_chunk(head, index, text, plan.finish_reason, plan.stop_reason))
+                    elif text:
+                        parts.append(delta_chunk(head, index, text, None, None))
+                if parts:
+                    await resp.write(b"".join(parts))
+                if tracker.done:
+                    break
+            tail = [responses.SSE_DONE]
+            if parsed.include_usage:
+                usage = self._usage(parsed, tracker, prompt_tokens)
+                tail.insert(0, responses.usage_chunk(head, "chat.completion.chunk" if chat
+                                                     else "text_completion", usage))
+            await resp.write(b"".join(tail))
+            await resp.write_eof()
+        except ConnectionError:
+            pass  # the client went away; the caller aborts what is left
+        return resp
+
+    def _abort(self, tracker: RequestTracker) -> None:
+        undelivered = [index for index, plan in enumerate(tracker.plans)
+                       if tracker.delivered[index] < len(plan.token_ids)]
+        self.engine.abort(tracker)
+        now = time.monotonic()
+        for index in undelivered:
+            self._record_sequence(tracker, index, "abort", now)
+
+    def _on_sequence_finished(self, tracker: RequestTracker, seq: SimSequence) -> None:
+        index = seq.tag
+        assert isinstance(index, int)
+        now = tracker.finished_at or time.monotonic()
+        self._record_sequence(tracker, index, tracker.plans[index].finish_reason, now)
+
+    def _record_sequence(self, tracker: RequestTracker, index: int, reason: str, now: float) -> None:
+        first = tracker.first_token_at[index]
+        self.metrics.record_finished(
+            finish_reason=reason,
+            prompt_tokens=tracker.seqs[index].prompt_len,
+            generation_tokens=tracker.delivered[index],
+            ttft_s=None if first is None else first - tracker.arrived_at,
+            e2e_s=now - tracker.arrived_at,
+        )
+
+
+async def _wait_for_disconnect(request: web.Request) -> None:
+    """Hold a request open until its client goes away (an injected hang)."""
+    while True:
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            return
+        await asyncio.sleep(_HANG_POLL_S)
+
+
+def _error_response(err: _HttpError, request_id: str | None = None) -> web.Response:
+    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+    return web.Response(status=err.status, content_type="application/json", headers=headers,
+                        body=responses.error_body(str(err), err.err_type, err.status, err.param))
+
+
+SIM_POD = web.AppKey("sim_pod", SimPod)
+
+
+def build_app(options: SimOptions, tokenizer: SimTokenizer | None = None,
+              exit_process: Callable[[], None] = _exit_hard) -> web.Application:
+    """An aiohttp application serving one simulated pod. ``tokenizer`` may be passed to share
+    one loaded tokenizer between pods; ``exit_process`` is what ``crash_after`` calls."""
+    pod = SimPod(options, tokenizer or SimTokenizer.from_spec(options.tokenizer), exit_process)
+    app = web.Application(client_max_size=64 * 1024**2)
+    app[SIM_POD] = pod
+    pod.add_routes(app)
+    return app
