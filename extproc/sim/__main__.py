@@ -43,7 +43,8 @@ def parse_args(argv: Sequence[str] | None = None) -> SimOptions:
                                 description="A simulated vLLM pod (OpenAI-compatible API, no GPU).")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="served model name")
+    p.add_argument("--model", action="append", metavar="NAME",
+                   help=f"served model name; repeat to serve several names (default {DEFAULT_MODEL})")
     p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER,
                    help="tokenizer.json path or pkg:<package>/<file>")
     p.add_argument("--engine", choices=ENGINE_KINDS, default="continuous")
@@ -78,7 +79,8 @@ def parse_args(argv: Sequence[str] | None = None) -> SimOptions:
         return SimOptions(
             host=args.host,
             port=args.port,
-            model=args.model,
+            model=(args.model or [DEFAULT_MODEL])[0],
+            extra_models=tuple((args.model or [])[1:]),
             tokenizer=args.tokenizer,
             engine=args.engine,
             cost=CostParams(

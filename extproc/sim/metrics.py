@@ -100,13 +100,16 @@ class SimMetrics:
         self.e2e = histogram("vllm:e2e_request_latency_seconds",
                              "Histogram of e2e request latency in seconds.", _LATENCY_BUCKETS)
 
-    def record_step(self, result: StepResult, scheduler: Scheduler) -> None:
-        """Scheduler gauges and token counters after one engine step."""
+    def refresh_gauges(self, scheduler: Scheduler) -> None:
+        """Scheduler gauges, read at scrape time (always current, and free between scrapes)."""
         self.running.set(scheduler.num_running)
         self.waiting.set(scheduler.num_waiting)
         usage = scheduler.pool.usage
         self.kv_cache_usage.set(usage)
         self.gpu_cache_usage.set(usage)
+
+    def record_step(self, result: StepResult, _scheduler: Scheduler) -> None:
+        """Token and prefix-cache counters after one engine step."""
         if result.prefix_queries:
             self.prefix_queries.inc(result.prefix_queries)
             self.gpu_prefix_queries.inc(result.prefix_queries)

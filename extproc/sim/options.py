@@ -20,6 +20,7 @@ class SimOptions:
     host: str = "127.0.0.1"
     port: int = 0
     model: str = DEFAULT_MODEL
+    extra_models: tuple[str, ...] = ()
     tokenizer: str = DEFAULT_TOKENIZER
     engine: EngineKind = "continuous"
     cost: CostParams = field(default_factory=CostParams)
@@ -30,6 +31,12 @@ class SimOptions:
     faults: FaultConfig = field(default_factory=FaultConfig)
     seed: int = 0
     record: int = 0
+
+    @property
+    def served_models(self) -> tuple[str, ...]:
+        """Every name the pod answers to (vLLM ``--served-model-name`` with several names);
+        the first one labels the metrics."""
+        return (self.model, *(m for m in self.extra_models if m != self.model))
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINE_KINDS:

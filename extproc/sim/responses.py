@@ -145,31 +145,36 @@ def usage_chunk(head: ResponseHead, object_type: str, usage: Usage) -> bytes:
                    "model": head.model, "choices": [], "usage": usage.to_json()})
 
 
-def model_list(model: str, created: int, max_model_len: int) -> bytes:
-    """``GET /v1/models`` as vLLM answers it (one served model, ``owned_by: vllm``)."""
+def model_list(models: tuple[str, ...], created: int, max_model_len: int) -> bytes:
+    """``GET /v1/models`` as vLLM answers it: one card per served name, ``owned_by: vllm``,
+    ``root`` the model the names serve."""
     return orjson.dumps({
         "object": "list",
-        "data": [{
-            "id": model,
-            "object": "model",
-            "created": created,
-            "owned_by": "vllm",
-            "root": model,
-            "parent": None,
-            "max_model_len": max_model_len,
-            "permission": [{
-                "id": f"modelperm-{model}",
-                "object": "model_permission",
-                "created": created,
-                "allow_create_engine": False,
-                "allow_sampling": True,
-                "allow_logprobs": True,
-                "allow_search_indices": False,
-                "allow_view": True,
-                "allow_fine_tuning": False,
-                "organization": "*",
-                "group": None,
-                "is_blocking": False,
-            }],
-        }],
+        "data": [_model_card(model, models[0], created, max_model_len) for model in models],
     })
+
+
+def _model_card(model: str, root: str, created: int, max_model_len: int) -> dict[str, object]:
+    return {
+        "id": model,
+        "object": "model",
+        "created": created,
+        "owned_by": "vllm",
+        "root": root,
+        "parent": None,
+        "max_model_len": max_model_len,
+        "permission": [{
+            "id": f"modelperm-{model}",
+            "object": "model_permission",
+            "created": created,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }],
+    }

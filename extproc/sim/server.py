@@ -30,10 +30,10 @@ from extproc.sim.options import SimOptions
 from extproc.sim.prefix_cache import block_hashes
 from extproc.sim.protocol import (
     ChatPrompt,
+    Endpoint,
     GenerationRequest,
     InvalidRequest,
     TextPrompt,
-    TokenPrompt,
     parse_generation,
 )
 from extproc.sim.scheduler import SimSequence, make_scheduler
@@ -93,7 +93,9 @@ class SimPod:
         self.recorded: deque[RecordedRequest] | None = (
             deque(maxlen=options.record) if options.record else None)
         self.created = int(time.time())
-        self._models_body = responses.model_list(options.model, self.created, options.max_model_len)
+        self._served = frozenset(options.served_models)
+        self._models_body = responses.model_list(options.served_models, self.created,
+                                                 options.max_model_len)
 
     # -- wiring -------------------------------------------------------------------------------
 
@@ -129,6 +131,7 @@ class SimPod:
 
     async def metrics_page(self, _request: web.Request) -> web.Response:
         """``GET /metrics`` in Prometheus text format."""
+        self.metrics.refresh_gauges(self.scheduler)
         return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def debug_requests(self, _request: web.Request) -> web.Response:
@@ -155,7 +158,7 @@ class SimPod:
         """``POST /v1/completions``."""
         return await self._generate(request, "completion")
 
-    async def _generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         arrived = time.monotonic()
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         crash = self.faults.count_request()
@@ -167,7 +170,7 @@ class SimPod:
             if crash:
                 asyncio.get_running_loop().call_later(_CRASH_DELAY_S, self._exit_process)
 
-    async def _serve(self, request: web.Request, endpoint: str, request_id: str,
+    async def _serve(self, request: web.Request, endpoint: Endpoint, request_id: str,
                      arrived: float) -> web.StreamResponse:
         raw = await request.read()
         try:
@@ -186,10 +189,10 @@ class SimPod:
             return web.Response(status=499)
 
         try:
-            parsed = parse_generation("chat" if endpoint == "chat" else "completion", body)
+            parsed = parse_generation(endpoint, body)
         except InvalidRequest as err:
             raise _bad_request(str(err), err.param) from err
-        if parsed.model is not None and parsed.model != self.options.model:
+        if parsed.model is not None and parsed.model not in self._served:
             raise _HttpError(404, "NotFoundError", f"The model `{parsed.model}` does not exist.", "model")
         prompt_ids = self._prompt_ids(parsed)
         max_tokens = self._max_tokens(parsed, prompt_ids)
@@ -200,7 +203,7 @@ class SimPod:
         head = responses.ResponseHead(
             id=f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{request_id}",
             created=int(time.time()),
-            model=self.options.model,
+            model=parsed.model or self.options.model,  # vLLM answers with the name asked for
         )
         usage_prompt = sum(len(ids) for ids in prompt_ids)
         self.engine.submit(tracker)

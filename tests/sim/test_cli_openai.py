@@ -17,6 +17,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "sim-model"
+ALIAS = "sim-alias"
 
 
 def start_sim(*flags: str) -> tuple[subprocess.Popen[str], str]:
@@ -38,7 +39,7 @@ def start_sim(*flags: str) -> tuple[subprocess.Popen[str], str]:
 
 @pytest.fixture(scope="module")
 def sim_url() -> Iterator[str]:
-    proc, url = start_sim("--time-scale", "0.05", "--seed", "1")
+    proc, url = start_sim("--model", ALIAS, "--time-scale", "0.05", "--seed", "1")
     try:
         yield url
     finally:
@@ -52,7 +53,7 @@ def test_ready_line_is_the_only_stdout(sim_url: str) -> None:
 
 def test_openai_chat_and_stream(sim_url: str) -> None:
     client = openai.OpenAI(base_url=f"{sim_url}/v1", api_key="x", max_retries=0)
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]  # --model twice
 
     chat = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=16, seed=5)

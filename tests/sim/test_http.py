@@ -318,6 +318,9 @@ async def test_client_disconnect_aborts_stream(make_client: ClientFactory) -> No
     resp = await post(client, "/v1/chat/completions",
                       {**CHAT, "max_tokens": 500, "ignore_eos": True, "stream": True})
     await resp.content.readline()
+    busy = await (await client.get("/metrics")).text()
+    assert metric(busy, "vllm:num_requests_running") == 1
+    assert metric(busy, "vllm:kv_cache_usage_perc") > 0  # its prompt and output blocks are reserved
     resp.close()
     await asyncio.sleep(0.2)
     text = await (await client.get("/metrics")).text()
@@ -326,3 +329,13 @@ async def test_client_disconnect_aborts_stream(make_client: ClientFactory) -> No
     aborted = [line for line in text.splitlines()
                if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line]
     assert len(aborted) == 1 and aborted[0].endswith(" 1.0")
+
+
+async def test_several_served_model_names(make_client: ClientFactory) -> None:
+    client = await make_client(model="base", extra_models=("alias",))
+    models = await (await client.get("/v1/models")).json()
+    assert [(m["id"], m["root"]) for m in models["data"]] == [("base", "base"), ("alias", "base")]
+    body = await (await post(client, "/v1/completions", {"model": "alias", "prompt": "x", "max_tokens": 1})).json()
+    assert body["model"] == "alias"  # answered with the name asked for, as vLLM does
+    no_model = await (await post(client, "/v1/completions", {"prompt": "x", "max_tokens": 1})).json()
+    assert no_model["model"] == "base"
