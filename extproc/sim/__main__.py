@@ -27,6 +27,7 @@ from extproc.sim.costmodel import (
     DEFAULT_PREFILL_PER_TOKEN_S,
     CostParams,
 )
+from extproc.sim.embed import DEFAULT_EMBEDDING_DIM
 from extproc.sim.faults import FaultConfig
 from extproc.sim.generate import DEFAULT_OUTPUT_LEN_MEAN, DEFAULT_OUTPUT_LEN_SIGMA, LengthModel
 from extproc.sim.options import DEFAULT_MODEL, SimOptions
@@ -57,6 +58,8 @@ def parse_args(argv: Sequence[str] | None = None) -> SimOptions:
     cost.add_argument("--kv-cache-tokens", type=int, default=DEFAULT_KV_CACHE_TOKENS)
     cost.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     cost.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
+    p.add_argument("--embedding-dim", type=int, default=DEFAULT_EMBEDDING_DIM,
+                   help="width of /v1/embeddings vectors")
     cost.add_argument("--time-scale", type=float, default=1.0,
                       help="multiplies all simulated GPU time; 0 = instant")
     out = p.add_argument_group("output length")
@@ -93,6 +96,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SimOptions:
                 block_size=args.block_size,
             ),
             max_model_len=args.max_model_len,
+            embedding_dim=args.embedding_dim,
             lengths=LengthModel(mean=args.output_len_mean, sigma=args.output_len_sigma),
             ignore_eos=args.ignore_eos,
             time_scale=args.time_scale,

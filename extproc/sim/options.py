@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from extproc.resources import DEFAULT_TOKENIZER
 from extproc.sim.costmodel import DEFAULT_MAX_MODEL_LEN, CostParams
+from extproc.sim.embed import DEFAULT_EMBEDDING_DIM
 from extproc.sim.faults import FaultConfig
 from extproc.sim.generate import LengthModel
 from extproc.sim.scheduler import ENGINE_KINDS, EngineKind
@@ -25,6 +26,7 @@ class SimOptions:
     engine: EngineKind = "continuous"
     cost: CostParams = field(default_factory=CostParams)
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    embedding_dim: int = DEFAULT_EMBEDDING_DIM
     lengths: LengthModel = field(default_factory=LengthModel)
     ignore_eos: bool = False
     time_scale: float = 1.0
@@ -49,6 +51,8 @@ class SimOptions:
             raise ValueError(f"port: not a TCP port: {self.port}")
         if self.max_model_len < 1:
             raise ValueError("max_model_len: must be >= 1")
+        if self.embedding_dim < 1:
+            raise ValueError("embedding_dim: must be >= 1")
         if self.cost.kv_cache_tokens < self.max_model_len:
             # vLLM refuses to start when one max-length sequence cannot fit in the KV cache.
             raise ValueError(f"kv_cache_tokens ({self.cost.kv_cache_tokens}) must hold "

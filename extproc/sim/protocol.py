@@ -1,7 +1,7 @@
 """Parsing and validating OpenAI ``/v1/chat/completions`` and ``/v1/completions`` bodies.
 
-Pure: a JSON object in, a typed ``GenerationRequest`` out, or ``InvalidRequest`` naming the
-parameter (vLLM answers those with 400 ``BadRequestError``). Unknown fields are ignored, as
+Pure: a JSON object in, a typed ``GenerationRequest`` (or ``EmbeddingRequest`` for
+``/v1/embeddings``) out, or ``InvalidRequest`` naming the parameter (vLLM answers those with 400 ``BadRequestError``). Unknown fields are ignored, as
 vLLM does. Parameters follow the OpenAI API reference plus vLLM's extra sampling parameters
 ``ignore_eos`` and ``min_tokens``.
 """
@@ -14,6 +14,7 @@ from typing import Literal
 from extproc.sim.template import Segment, TemplateError, render_chat
 
 Endpoint = Literal["chat", "completion"]
+EncodingFormat = Literal["float", "base64"]
 
 
 class InvalidRequest(ValueError):
@@ -66,6 +67,16 @@ class GenerationRequest:
     min_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class EmbeddingRequest:
+    """A validated ``/v1/embeddings`` request."""
+
+    model: str | None
+    inputs: list[TextPrompt | TokenPrompt]
+    encoding_format: EncodingFormat
+    dimensions: int | None
+
+
 def _int(body: dict[str, object], name: str, minimum: int) -> int | None:
     value = body.get(name)
     if value is None:
@@ -97,20 +108,21 @@ def _stop(body: dict[str, object]) -> tuple[str, ...]:
     return tuple(s for s in value if s)
 
 
-def _completion_prompts(value: object) -> list[Prompt]:
-    """OpenAI ``prompt``: a string, a list of strings, a list of token ids, or a list of them."""
+def _text_or_tokens(value: object, param: str) -> list[TextPrompt | TokenPrompt]:
+    """OpenAI ``prompt``/``input``: a string, a list of strings, a list of token ids, or a list
+    of token-id lists."""
     if isinstance(value, str):
         return [TextPrompt(value)]
     if not isinstance(value, list) or not value:
-        raise InvalidRequest("prompt must be a string, a list of strings, a list of token ids "
-                             "or a list of token-id lists, and not empty", "prompt")
+        raise InvalidRequest(f"{param} must be a string, a list of strings, a list of token ids "
+                             "or a list of token-id lists, and not empty", param)
     if all(isinstance(p, str) for p in value):
         return [TextPrompt(p) for p in value]
     if all(_is_token_list(p) for p in value):
-        return [TokenPrompt(list(p)) for p in value]  # type: ignore[arg-type]
+        return [TokenPrompt(list(p)) for p in value]
     if _is_token_list(value):
-        return [TokenPrompt(list(value))]  # type: ignore[arg-type]
-    raise InvalidRequest("prompt: mixed or invalid element types", "prompt")
+        return [TokenPrompt(list(value))]
+    raise InvalidRequest(f"{param}: mixed or invalid element types", param)
 
 
 def _is_token_list(value: object) -> bool:
@@ -137,7 +149,7 @@ def parse_generation(endpoint: Endpoint, body: object) -> GenerationRequest:
     else:
         if "prompt" not in body:
             raise InvalidRequest("prompt is required", "prompt")
-        prompts = _completion_prompts(body["prompt"])
+        prompts = list(_text_or_tokens(body["prompt"], "prompt"))
         max_tokens = _int(body, "max_tokens", 1)
     temperature = body.get("temperature")
     if temperature is None:
@@ -170,3 +182,22 @@ def parse_generation(endpoint: Endpoint, body: object) -> GenerationRequest:
         ignore_eos=_bool(body, "ignore_eos"),
         min_tokens=_int(body, "min_tokens", 0) or 0,
     )
+
+
+def parse_embedding(body: object) -> EmbeddingRequest:
+    """Validate a ``/v1/embeddings`` body (OpenAI: ``input``, ``encoding_format``, ``dimensions``)."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest("model must be a string", "model")
+    if "input" not in body:
+        raise InvalidRequest("input is required", "input")
+    inputs = _text_or_tokens(body["input"], "input")
+    encoding = body.get("encoding_format")
+    if encoding is None:
+        encoding = "float"
+    if encoding not in ("float", "base64"):
+        raise InvalidRequest("encoding_format must be 'float' or 'base64'", "encoding_format")
+    return EmbeddingRequest(model=model, inputs=inputs, encoding_format=encoding,
+                            dimensions=_int(body, "dimensions", 1))

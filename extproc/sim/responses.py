@@ -145,6 +145,20 @@ def usage_chunk(head: ResponseHead, object_type: str, usage: Usage) -> bytes:
                    "model": head.model, "choices": [], "usage": usage.to_json()})
 
 
+def embedding_list(head: ResponseHead, embeddings: list[list[float]] | list[str],
+                   prompt_tokens: int) -> bytes:
+    """A ``/v1/embeddings`` answer: float lists or base64 strings, and usage (vLLM's shape)."""
+    return orjson.dumps({
+        "id": head.id,
+        "object": "list",
+        "created": head.created,
+        "model": head.model,
+        "data": [{"index": i, "object": "embedding", "embedding": e} for i, e in enumerate(embeddings)],
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens,
+                  "completion_tokens": 0, "prompt_tokens_details": None},
+    })
+
+
 def model_list(models: tuple[str, ...], created: int, max_model_len: int) -> bytes:
     """``GET /v1/models`` as vLLM answers it: one card per served name, ``owned_by: vllm``,
     ``root`` the model the names serve."""

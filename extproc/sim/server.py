@@ -1,9 +1,9 @@
 """The HTTP shell of the simulated pod: vLLM's OpenAI-compatible routes on aiohttp.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics``, and ``GET``/``DELETE /debug/requests`` (the last N received
-generation requests, with ``--record N``). Generation requests echo ``x-request-id`` and use
-it in the response id (vLLM's ``--enable-request-id-headers``). Everything the handlers decide
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``,
+``GET /v1/models``, ``GET /health``, ``GET /metrics``, and ``GET``/``DELETE /debug/requests``
+(the last N received POST requests, with ``--record N``). POST requests echo ``x-request-id``
+and use it in the response id (vLLM's ``--enable-request-id-headers``). Everything the handlers decide
 lives in the pure modules; this one reads the wire, calls them, and writes the wire.
 """
 
@@ -15,13 +15,15 @@ import random
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import orjson
 from aiohttp import web
 
 from extproc.sim import responses
+from extproc.sim.embed import embed, to_base64, truncate
 from extproc.sim.engine import RequestTracker, SimEngine
 from extproc.sim.faults import ERROR_TYPES, FaultInjector
 from extproc.sim.generate import OutputPlan, SamplingParams, choice_seed, plan_output, prompt_key
@@ -33,13 +35,17 @@ from extproc.sim.protocol import (
     Endpoint,
     GenerationRequest,
     InvalidRequest,
+    Prompt,
     TextPrompt,
+    parse_embedding,
     parse_generation,
 )
 from extproc.sim.scheduler import SimSequence, make_scheduler
 from extproc.sim.tokens import SimTokenizer
 
 REQUEST_ID_HEADER = "x-request-id"
+Operation = Literal["chat", "completion", "embedding"]
+_POOLING_PLAN = OutputPlan(token_ids=[], deltas=[], finish_reason="stop")
 _HANG_POLL_S = 0.05
 _CRASH_DELAY_S = 0.05  # let the last response leave the socket before the hard exit
 
@@ -103,6 +109,7 @@ class SimPod:
         """Register the pod's routes and its engine task on ``app``."""
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_page)
@@ -152,25 +159,30 @@ class SimPod:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/chat/completions``."""
-        return await self._generate(request, "chat")
+        return await self._handle(request, "chat")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/completions``."""
-        return await self._generate(request, "completion")
+        return await self._handle(request, "completion")
 
-    async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/embeddings``."""
+        return await self._handle(request, "embedding")
+
+    async def _handle(self, request: web.Request, operation: Operation) -> web.StreamResponse:
+        """What every POST shares: request id, crash count, recording, injected faults."""
         arrived = time.monotonic()
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         crash = self.faults.count_request()
         try:
-            return await self._serve(request, endpoint, request_id, arrived)
+            return await self._serve(request, operation, request_id, arrived)
         except _HttpError as err:
             return _error_response(err, request_id)
         finally:
             if crash:
                 asyncio.get_running_loop().call_later(_CRASH_DELAY_S, self._exit_process)
 
-    async def _serve(self, request: web.Request, endpoint: Endpoint, request_id: str,
+    async def _serve(self, request: web.Request, operation: Operation, request_id: str,
                      arrived: float) -> web.StreamResponse:
         raw = await request.read()
         try:
@@ -187,23 +199,35 @@ class SimPod:
         if decision.hang:
             await _wait_for_disconnect(request)
             return web.Response(status=499)
+        if operation == "embedding":
+            return await self._embed(body, request_id, arrived, decision.spike_s)
+        return await self._generate(request, operation, body, request_id, arrived, decision.spike_s)
 
+    def _check_model(self, model: str | None) -> str:
+        """The name to answer with (vLLM echoes the name asked for); 404 for unknown names."""
+        if model is None:
+            return self.options.model
+        if model not in self._served:
+            raise _HttpError(404, "NotFoundError", f"The model `{model}` does not exist.", "model")
+        return model
+
+    async def _generate(self, request: web.Request, endpoint: Endpoint, body: object,
+                        request_id: str, arrived: float, spike_s: float) -> web.StreamResponse:
         try:
             parsed = parse_generation(endpoint, body)
         except InvalidRequest as err:
             raise _bad_request(str(err), err.param) from err
-        if parsed.model is not None and parsed.model not in self._served:
-            raise _HttpError(404, "NotFoundError", f"The model `{parsed.model}` does not exist.", "model")
-        prompt_ids = self._prompt_ids(parsed)
+        model = self._check_model(parsed.model)
+        prompt_ids = self._prompt_ids(parsed.prompts, "messages" if endpoint == "chat" else "prompt")
         max_tokens = self._max_tokens(parsed, prompt_ids)
-        if decision.spike_s:
-            await asyncio.sleep(decision.spike_s)
+        if spike_s:
+            await asyncio.sleep(spike_s)
 
         tracker = self._plan(parsed, prompt_ids, max_tokens, arrived)
         head = responses.ResponseHead(
             id=f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{request_id}",
             created=int(time.time()),
-            model=parsed.model or self.options.model,  # vLLM answers with the name asked for
+            model=model,
         )
         usage_prompt = sum(len(ids) for ids in prompt_ids)
         self.engine.submit(tracker)
@@ -222,6 +246,46 @@ class SimPod:
         return web.Response(body=shape(head, choices, usage), content_type="application/json",
                             headers={REQUEST_ID_HEADER: request_id})
 
+    async def _embed(self, body: object, request_id: str, arrived: float,
+                     spike_s: float) -> web.Response:
+        try:
+            parsed = parse_embedding(body)
+        except InvalidRequest as err:
+            raise _bad_request(str(err), err.param) from err
+        model = self._check_model(parsed.model)
+        prompt_ids = self._prompt_ids(parsed.inputs, "input")
+        limit = self.options.max_model_len
+        longest = max(len(ids) for ids in prompt_ids)
+        if longest > limit:
+            raise _bad_request(f"This model's maximum context length is {limit} tokens. However, "
+                               f"you requested {longest} tokens in the input for embedding "
+                               "generation. Please reduce the length of the input.", "input")
+        dim = self.options.embedding_dim
+        if parsed.dimensions is not None and parsed.dimensions > dim:
+            raise _bad_request(f"dimensions must be at most {dim}", "dimensions")
+        if spike_s:
+            await asyncio.sleep(spike_s)
+        # The pooling pass is a prefill; it is modelled as a sequence with one output step.
+        block_size = self.options.cost.block_size
+        seqs = [SimSequence(prompt_len=len(ids), block_hashes=block_hashes(ids, block_size), output_len=1)
+                for ids in prompt_ids]
+        tracker = RequestTracker(seqs, [_POOLING_PLAN] * len(seqs), False, arrived)
+        self.engine.submit(tracker)
+        try:
+            while not tracker.done:
+                await tracker.wait()
+        finally:
+            if not tracker.done:
+                self._abort(tracker)
+        vectors = [embed(ids, dim) for ids in prompt_ids]
+        if parsed.dimensions is not None:
+            vectors = [truncate(v, parsed.dimensions) for v in vectors]
+        data: list[list[float]] | list[str] = (
+            [to_base64(v) for v in vectors] if parsed.encoding_format == "base64" else vectors)
+        head = responses.ResponseHead(id=f"embd-{request_id}", created=int(time.time()), model=model)
+        return web.Response(body=responses.embedding_list(head, data, sum(map(len, prompt_ids))),
+                            content_type="application/json", headers={REQUEST_ID_HEADER: request_id})
+
     def _record(self, request: web.Request, body: object) -> None:
         if self.recorded is None:
             return
@@ -231,12 +295,12 @@ class SimPod:
             headers[key] = f"{headers[key]}, {value}" if key in headers else value
         self.recorded.append(RecordedRequest(request.method, request.path, headers, body))
 
-    def _prompt_ids(self, parsed: GenerationRequest) -> list[list[int]]:
-        texts = [p.text for p in parsed.prompts if isinstance(p, TextPrompt)]
+    def _prompt_ids(self, prompts: Sequence[Prompt], param: str) -> list[list[int]]:
+        texts = [p.text for p in prompts if isinstance(p, TextPrompt)]
         encoded = iter(self.tokenizer.encode_texts(texts) if texts else [])
         result: list[list[int]] = []
         vocab = self.tokenizer.vocab_size
-        for prompt in parsed.prompts:
+        for prompt in prompts:
             if isinstance(prompt, ChatPrompt):
                 ids = self.tokenizer.encode_segments(prompt.segments)
             elif isinstance(prompt, TextPrompt):
@@ -245,9 +309,9 @@ class SimPod:
                 ids = prompt.token_ids
                 bad = next((t for t in ids if not 0 <= t < vocab), None)
                 if bad is not None:
-                    raise _bad_request(f"Token id {bad} is out of vocabulary", "prompt")
+                    raise _bad_request(f"Token id {bad} is out of vocabulary", param)
             if not ids:
-                raise _bad_request("The decoder prompt cannot be empty", "prompt")
+                raise _bad_request("The decoder prompt cannot be empty", param)
             result.append(ids)
         return result
 

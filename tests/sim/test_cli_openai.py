@@ -82,6 +82,14 @@ def test_openai_completions_and_errors(sim_url: str) -> None:
         client.chat.completions.create(model=MODEL, messages=[])
 
 
+def test_openai_embeddings(sim_url: str) -> None:
+    client = openai.OpenAI(base_url=f"{sim_url}/v1", api_key="x", max_retries=0)
+    result = client.embeddings.create(model=ALIAS, input=["alpha", "beta"])  # the client asks base64
+    assert [item.index for item in result.data] == [0, 1]
+    assert len(result.data[0].embedding) == 4096
+    assert abs(sum(x * x for x in result.data[0].embedding) - 1.0) < 1e-3
+
+
 def test_crash_after_exits_hard() -> None:
     proc, url = start_sim("--crash-after", "1", "--time-scale", "0")
     try:
