@@ -20,7 +20,7 @@ FinishHook = Callable[["RequestTracker", SimSequence], None]
 
 
 class RequestTracker:
-    """Delivery state of one HTTP request's sequences (``seq.tag`` is its index here).
+    """Delivery state of one HTTP request's sequences (``seq.index`` is its position here).
 
     A streaming consumer waits on ``wait()`` and reads ``delivered``; a non-streaming one only
     wakes when every sequence is done.
@@ -43,7 +43,7 @@ class RequestTracker:
         self._remaining = len(self.seqs)
         self._event = asyncio.Event()
         for index, seq in enumerate(self.seqs):
-            seq.tag = index
+            seq.index = index
 
     @property
     def done(self) -> bool:
@@ -52,8 +52,7 @@ class RequestTracker:
 
     def on_tokens(self, seq: SimSequence, now: float) -> None:
         """Called by the engine after a step in which ``seq`` produced a token."""
-        index = seq.tag
-        assert isinstance(index, int)
+        index = seq.index
         if self.first_token_at[index] is None:
             self.first_token_at[index] = now
         self.delivered[index] = seq.generated

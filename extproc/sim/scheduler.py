@@ -35,13 +35,13 @@ ENGINE_KINDS: tuple[EngineKind, ...] = ("continuous", "static")
 class SimSequence:
     """One generated sequence (one choice of one prompt) as the scheduler sees it.
 
-    ``tag`` is opaque to the scheduler; the engine uses it to find whom to hand tokens to.
+    ``index`` is the choice index within its request; the scheduler does not use it.
     """
 
     prompt_len: int
     block_hashes: list[int]
     output_len: int
-    tag: object = None
+    index: int = 0
     generated: int = 0
     cached_tokens: int = 0
     finished: bool = False

@@ -99,6 +99,7 @@ class SimPod:
         self.recorded: deque[RecordedRequest] | None = (
             deque(maxlen=options.record) if options.record else None)
         self.created = int(time.time())
+        self._closing = asyncio.Event()
         self._served = frozenset(options.served_models)
         self._models_body = responses.model_list(options.served_models, self.created,
                                                  options.max_model_len)
@@ -116,6 +117,10 @@ class SimPod:
         app.router.add_get("/debug/requests", self.debug_requests)
         app.router.add_delete("/debug/requests", self.clear_debug_requests)
         app.cleanup_ctx.append(self._engine_task)
+        app.on_shutdown.append(self._on_shutdown)
+
+    async def _on_shutdown(self, _app: web.Application) -> None:
+        self._closing.set()  # releases injected hangs so that a stop is quick
 
     async def _engine_task(self, _app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(self.engine.run(), name="sim-engine")
@@ -197,8 +202,8 @@ class SimPod:
             raise _HttpError(decision.error_status, ERROR_TYPES[decision.error_status],
                              "injected failure (simulated pod)")
         if decision.hang:
-            await _wait_for_disconnect(request)
-            return web.Response(status=499)
+            await _wait_for_disconnect(request, self._closing)
+            return web.Response(status=503)
         if operation == "embedding":
             return await self._embed(body, request_id, arrived, decision.spike_s)
         return await self._generate(request, operation, body, request_id, arrived, decision.spike_s)
@@ -418,8 +423,7 @@ class SimPod:
             self._record_sequence(tracker, index, "abort", now)
 
     def _on_sequence_finished(self, tracker: RequestTracker, seq: SimSequence) -> None:
-        index = seq.tag
-        assert isinstance(index, int)
+        index = seq.index
         now = tracker.finished_at or time.monotonic()
         self._record_sequence(tracker, index, tracker.plans[index].finish_reason, now)
 
@@ -434,9 +438,9 @@ class SimPod:
         )
 
 
-async def _wait_for_disconnect(request: web.Request) -> None:
-    """Hold a request open until its client goes away (an injected hang)."""
-    while True:
+async def _wait_for_disconnect(request: web.Request, closing: asyncio.Event) -> None:
+    """Hold a request open until its client goes away or the server stops (an injected hang)."""
+    while not closing.is_set():
         transport = request.transport
         if transport is None or transport.is_closing():
             return
