@@ -113,13 +113,13 @@ def _piece_text(piece: str) -> str:
 
 def _build_word_table(tokenizer: Tokenizer) -> WordTable:
     vocab = tokenizer.get_vocab(with_added_tokens=False)
-    by_id = sorted((i, piece) for piece, i in vocab.items())
-    body = [i for i, piece in by_id if _WORD.fullmatch(piece)][:NUM_WORD_TOKENS]
-    opening = [i for i, piece in by_id if _OPENING.fullmatch(piece)][:NUM_OPENING_TOKENS]
+    # Lowest ids first: BPE assigns ids in merge order, so those are the most frequent pieces.
+    body = sorted(i for piece, i in vocab.items() if _WORD.fullmatch(piece))[:NUM_WORD_TOKENS]
+    opening = sorted(i for piece, i in vocab.items() if _OPENING.fullmatch(piece))[:NUM_OPENING_TOKENS]
     punctuation = [vocab[p] for p in _PUNCTUATION if p in vocab]
     if len(body) < 50 or not opening:
         raise ValueError("tokenizer has too few plain word tokens to simulate output")
-    pieces = {i: piece for i, piece in by_id}
+    pieces = {i: tokenizer.id_to_token(i) for i in body + opening + punctuation}
     pools = []
     for bucket in range(_TEMPERATURE_BUCKETS + 1):
         words = body[:max(_MIN_POOL, len(body) * bucket // _TEMPERATURE_BUCKETS)]
