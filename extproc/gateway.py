@@ -9,6 +9,7 @@ request body    -> parse and validate the OpenAI request, resolve the model (ali
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ MODEL_HEADER = "x-llmgw-model"
 POOL_HEADER = "x-llmgw-pool"
 ROUTE_DIRECT = "direct"
 MODELS_PATH = "/v1/models"
+RECENT_LIMIT = 4096  # finished requests kept for a late observer message
 
 
 @dataclass(slots=True)
@@ -35,6 +37,7 @@ class RequestState:
     """What one request carries through its phases (one per ext_proc stream)."""
 
     started: float
+    path: str = ""
     request_id: str = ""
     trace: TraceContext | None = None
     operation: Operation | None = None
@@ -42,6 +45,7 @@ class RequestState:
     endpoint: str | None = None
     request: ParsedRequest | None = field(default=None, repr=False)
     rejected: ApiError | None = None
+    released: bool = False
 
     def identity_headers(self) -> Headers:
         """Headers that go to the pod and back to the client: ``x-request-id`` and ``traceparent``."""
@@ -58,6 +62,9 @@ class Gateway:
         self._picker = picker
         self._new_id = new_id
         self._models_body = _models_list(config)
+        self._active: dict[str, RequestState] = {}  # forwarded requests by the gateway's span id
+        # Finished ones, briefly: the observer's messages may be handled after the main stream ended.
+        self._recent: OrderedDict[str, RequestState] = OrderedDict()
 
     def new_request(self) -> RequestState:
         """State for a new ext_proc stream."""
@@ -70,7 +77,7 @@ class Gateway:
         state.request_id = request_id(headers.get("x-request-id"), self._new_id)
         state.trace = continue_or_start(headers.get("traceparent"), self._new_id)
         method = headers.get(":method", "")
-        path = headers.get(":path", "").partition("?")[0]
+        path = state.path = headers.get(":path", "").partition("?")[0]
 
         if path == MODELS_PATH or path.startswith(MODELS_PATH + "/"):
             if method != "GET":
@@ -98,6 +105,7 @@ class Gateway:
                                                 code="invalid_json"))
 
         strip = tuple(name for name in headers if _is_internal(name))
+        self._active[state.trace.span_id] = state
         return Continue(set_headers=state.identity_headers(), remove_headers=strip)
 
     def request_body(self, state: RequestState, body: bytes) -> Decision:
@@ -134,11 +142,19 @@ class Gateway:
             set_headers.append(("content-length", str(len(new_body))))
         return Continue(set_headers=tuple(set_headers), body=new_body, clear_route_cache=True)
 
+    def active(self, span_id: str) -> RequestState | None:
+        """The in-flight request whose gateway span is ``span_id`` (for the observer)."""
+        return self._active.get(span_id) or self._recent.pop(span_id, None)
+
     def finish(self, state: RequestState) -> None:
         """The stream ended (response done, client gone or error): release what the request held."""
-        if state.endpoint is not None:
+        if state.trace is not None and self._active.pop(state.trace.span_id, None) is not None:
+            self._recent[state.trace.span_id] = state
+            if len(self._recent) > RECENT_LIMIT:
+                self._recent.popitem(last=False)
+        if state.endpoint is not None and not state.released:
             self._picker.release(state.endpoint)
-            state.endpoint = None
+            state.released = True
 
     # -- replies ----------------------------------------------------------------------------
 

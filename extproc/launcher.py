@@ -18,10 +18,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import yaml
 
@@ -181,6 +181,8 @@ class StackOptions:
     sim_args: tuple[str, ...] = ()
     log_level: str = "INFO"
     ready_timeout: float = 20.0
+    # Last edit of the rendered Envoy config, given the pods' URLs (benchmarks add a direct listener).
+    envoy_patch: Callable[[dict[str, Any], dict[str, list[str]]], None] | None = None
 
 
 @dataclass
@@ -192,6 +194,7 @@ class StackInfo:
     extproc_address: str
     pod_urls: dict[str, list[str]]
     config_path: Path
+    log_dir: Path
 
 
 class LocalStack:
@@ -234,6 +237,8 @@ class LocalStack:
             opts.envoy_yaml or envoyconf.default_envoy_yaml(), listen_port=opts.port,
             listen_host=opts.listen_host, extproc_port=extproc_port, admin_port=admin_port,
         )
+        if opts.envoy_patch is not None:
+            opts.envoy_patch(rendered, pod_urls)
         envoy_path = envoyconf.write(rendered, opts.run_dir / "envoy.yaml")
         envoy = self.group.spawn("envoy", [
             envoyconf.envoy_binary(), "-c", str(envoy_path), "--use-dynamic-base-id",
@@ -242,7 +247,7 @@ class LocalStack:
         admin_url = f"http://127.0.0.1:{admin_port}"
         wait_http_ok(f"{admin_url}/ready", opts.ready_timeout, envoy)
         self.info = StackInfo(f"http://127.0.0.1:{opts.port}", admin_url, f"127.0.0.1:{extproc_port}",
-                              pod_urls, config_path)
+                              pod_urls, config_path, self.group.log_dir)
         return self.info
 
     def _start_pods(self, spec: GatewaySpec) -> dict[str, list[str]]:

@@ -79,12 +79,23 @@ def _object_end(data: bytes, start: int) -> int | None:
     return None
 
 
+def _span_id(traceparent: str) -> str:
+    parts = traceparent.split("-")
+    return parts[2] if len(parts) >= 4 else ""
+
+
 @dataclass(slots=True)
 class ResponseObservation:
-    """One request seen from the observer: identity from request headers, then the response."""
+    """One request seen from the observer filter, which is sent response headers and body only.
+
+    The gateway's own span id (in the ``traceparent`` Envoy copies onto the response) is unique per
+    request, so it finds the main filter's state for the same request: both filters' streams share
+    the Envoy worker's gRPC connection and so reach the same extproc process.
+    """
 
     started: float = field(default_factory=time.monotonic)
     request_id: str = ""
+    span_id: str = ""
     model: str = ""
     pool: str = ""
     endpoint: str = ""
@@ -97,21 +108,20 @@ class ResponseObservation:
     chunks: int = 0
     tail: bytearray = field(default_factory=bytearray, repr=False)
 
-    def on_request_headers(self, headers: Mapping[str, str]) -> None:
-        """Identity and route, as the main filter left them on the request."""
-        self.request_id = headers.get("x-request-id", "")
-        self.model = headers.get("x-llmgw-model", "")
-        self.pool = headers.get("x-llmgw-pool", "")
-        self.endpoint = headers.get("x-gateway-destination-endpoint", "")
-        self.path = headers.get(":path", "").partition("?")[0]
-
     def on_response_headers(self, headers: Mapping[str, str], end_of_stream: bool) -> None:
-        """Status and whether the body is an event stream."""
+        """Status, identity (Envoy copies x-request-id and traceparent onto the response) and body kind."""
+        self.request_id = headers.get("x-request-id", "")
+        self.span_id = _span_id(headers.get("traceparent", ""))
         status = headers.get(":status", "0")
         self.status = int(status) if status.isdigit() else 0
         self.streamed = headers.get("content-type", "").startswith("text/event-stream")
         if end_of_stream:
             self.finished_at = time.monotonic()
+
+    def attach(self, started: float, path: str, model: str, pool: str, endpoint: str) -> None:
+        """What the main filter's stream of the same request decided (found by span id)."""
+        self.started = started
+        self.path, self.model, self.pool, self.endpoint = path, model, pool, endpoint
 
     def on_response_body(self, chunk: bytes, end_of_stream: bool) -> None:
         """Count the chunk and keep the tail where the usage will be."""

@@ -59,7 +59,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 if message.observability_mode:
                     if observation is None:
                         observation = ResponseObservation()
-                    _observe(observation, phase, message)
+                    self._observe(observation, phase, message)
                     if observation.complete:
                         _log_access(observation)  # now, not at Envoy's deferred stream close
                         observation = None
@@ -79,6 +79,17 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             if observation is not None:
                 _log_access(observation)  # the stream ended first: the client went away
 
+    def _observe(self, observation: ResponseObservation, phase: Phase, message: pb.ProcessingRequest) -> None:
+        if phase is Phase.RESPONSE_HEADERS:
+            headers = message.response_headers
+            observation.on_response_headers(headers_to_dict(headers.headers), headers.end_of_stream)
+            state = self.gateway.active(observation.span_id)
+            if state is not None:
+                observation.attach(state.started, state.path, state.model.name if state.model else "",
+                                   state.model.pool.name if state.model else "", state.endpoint or "")
+        elif phase is Phase.RESPONSE_BODY:
+            observation.on_response_body(message.response_body.body, message.response_body.end_of_stream)
+
     def _decide(self, state: RequestState, phase: Phase, message: pb.ProcessingRequest) -> tuple[Decision, bool]:
         try:
             if phase is Phase.REQUEST_HEADERS:
@@ -93,16 +104,6 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             log.exception("failed to process %s (request_id=%s)", phase.value, state.request_id)
             state.rejected = _INTERNAL_ERROR
             return Reply.error(_INTERNAL_ERROR, state.identity_headers()), True
-
-
-def _observe(observation: ResponseObservation, phase: Phase, message: pb.ProcessingRequest) -> None:
-    if phase is Phase.REQUEST_HEADERS:
-        observation.on_request_headers(headers_to_dict(message.request_headers.headers))
-    elif phase is Phase.RESPONSE_HEADERS:
-        headers = message.response_headers
-        observation.on_response_headers(headers_to_dict(headers.headers), headers.end_of_stream)
-    elif phase is Phase.RESPONSE_BODY:
-        observation.on_response_body(message.response_body.body, message.response_body.end_of_stream)
 
 
 def _log_access(observation: ResponseObservation) -> None:

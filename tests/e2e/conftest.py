@@ -31,7 +31,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
     config_path.write_text(yaml.safe_dump(E2E_CONFIG))
     options = StackOptions(
         config_path=config_path, run_dir=run_dir, port=free_port(), workers=2, envoy_concurrency=2,
-        sim_args=("--record", "200", "--seed", "1"), log_level="WARNING",
+        sim_args=("--record", "200", "--seed", "1"), log_level="INFO",
     )
     with LocalStack(options) as info:
         yield info

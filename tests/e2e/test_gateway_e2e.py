@@ -238,3 +238,32 @@ def test_body_without_usage_chunk_still_streams(http: httpx.Client) -> None:
     assert lines[-1] == "data: [DONE]"
     assert all("usage" not in orjson.loads(line[6:]) or orjson.loads(line[6:])["usage"] is None
                for line in lines[:-1])
+
+
+def access_record(stack: StackInfo, request_id: str, timeout: float = 5.0) -> dict[str, object]:
+    """The observer's access record for a request, from the extproc workers' logs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for log in stack.log_dir.glob("extproc-*.log"):
+            for line in log.read_text().splitlines():
+                if "llmgw.access" in line and request_id in line:
+                    return orjson.loads(line.partition("llmgw.access ")[2])
+        time.sleep(0.05)
+    raise AssertionError(f"no access record for {request_id}")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_observer_records_usage_and_route(stack: StackInfo, client: openai.OpenAI, stream: bool) -> None:
+    request_id = f"obs-{uuid.uuid4()}"
+    kwargs = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    response = client.chat.completions.create(model=ALIAS, messages=HELLO, max_tokens=7, seed=1,
+                                              extra_headers={"x-request-id": request_id}, **kwargs)
+    usage = [c.usage for c in response if c.usage][0] if stream else response.usage
+    record = access_record(stack, request_id)
+    assert record["gen_ai.usage.input_tokens"] == usage.prompt_tokens
+    assert record["gen_ai.usage.output_tokens"] == usage.completion_tokens
+    assert record["gen_ai.request.model"] == MODEL and record["llmgw.pool"] == "local"
+    assert record["server.address"] == pod_request_with_id(stack, request_id)["headers"][  # type: ignore[index]
+        "x-gateway-destination-endpoint"]
+    assert record["llmgw.stream"] is stream and record["llmgw.complete"] is True
+    assert record["http.response.status_code"] == 200
