@@ -1,8 +1,9 @@
 """What extproc adds: a ~4 KB chat request through Envoy alone vs Envoy + extproc, in one run.
 
-One Envoy serves two listeners built from the same envoy/envoy.yaml: the gateway listener (both
-ext_proc filters) and a copy without them routed straight to the same simulated pod (instant:
---time-scale 0). Rounds alternate between the two paths; figures are medians over rounds.
+One Envoy serves three listeners built from the same envoy/envoy.yaml, all reaching the same
+simulated pod (instant: --time-scale 0): the gateway listener (both ext_proc filters, llmgw
+extproc), a copy without ext_proc (Envoy alone), and a copy whose filters call a null ext_proc
+server (the floor Python grpc.aio sets). Rounds alternate between the paths; figures are medians.
 Prints one JSON line; writes bench/results/overhead.json and overhead.png.
 
     python -m bench.overhead [--rounds 3] [--requests-c1 600] [--requests-c32 3000]
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ import yaml
 from rich.progress import Progress
 
 from bench.common import RESULTS, build_request, emit, median, process_cpu_seconds, run_load
-from extproc.launcher import LocalStack, StackOptions, free_port
+from extproc.launcher import LocalStack, ProcessGroup, StackOptions, free_port
 
 MODEL = "llama-3-8b-instruct"
 TARGET_ADDED_P50_MS = 1.5
@@ -43,8 +45,9 @@ def chat_body(size: int = 4096) -> bytes:
     return orjson.dumps(body)
 
 
-def add_direct_listener(port: int, observer: bool = True) -> Any:
-    """An envoy_patch: a copy of the gateway listener without ext_proc, routed straight to the pod."""
+def add_bench_listeners(direct_port: int, null_port: int, null_extproc_port: int, observer: bool = True) -> Any:
+    """An envoy_patch adding two copies of the gateway listener, both routed straight to the pod:
+    one without ext_proc (Envoy alone), one whose two ext_proc filters call the null server."""
 
     def patch(config: dict[str, Any], pod_urls: dict[str, list[str]]) -> None:
         resources = config["static_resources"]
@@ -52,16 +55,27 @@ def add_direct_listener(port: int, observer: bool = True) -> Any:
         if not observer:  # diagnosis: what the accounting observer costs
             filters = gateway["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
             filters[:] = [f for f in filters if not f["name"].endswith(".observer")]
-        direct = copy.deepcopy(gateway)
-        direct["name"] = "bench_direct"
-        direct["address"]["socket_address"]["port_value"] = port
-        hcm = direct["filter_chains"][0]["filters"][0]["typed_config"]
-        hcm["stat_prefix"] = "bench_direct"
-        hcm["http_filters"] = [f for f in hcm["http_filters"] if "ext_proc" not in f["name"]]
         host, _, pod_port = pod_urls["bench"][0].removeprefix("http://").partition(":")
-        hcm["route_config"]["virtual_hosts"][0]["routes"] = [
-            {"match": {"prefix": "/"}, "route": {"cluster": "bench_pod", "timeout": "0s"}}]
-        resources["listeners"].append(direct)
+        for name, port in (("bench_direct", direct_port), ("bench_null", null_port)):
+            listener = copy.deepcopy(gateway)
+            listener["name"] = name
+            listener["address"]["socket_address"]["port_value"] = port
+            hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+            hcm["stat_prefix"] = name
+            if name == "bench_direct":
+                hcm["http_filters"] = [f for f in hcm["http_filters"] if "ext_proc" not in f["name"]]
+            for f in hcm["http_filters"]:
+                if "ext_proc" in f["name"]:
+                    f["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] = "bench_null_extproc"
+            hcm["route_config"]["virtual_hosts"][0]["routes"] = [
+                {"match": {"prefix": "/"}, "route": {"cluster": "bench_pod", "timeout": "0s"}}]
+            resources["listeners"].append(listener)
+        extproc = next(c for c in resources["clusters"] if c["name"] == "llmgw_extproc")
+        null = copy.deepcopy(extproc)
+        null["name"] = null["load_assignment"]["cluster_name"] = "bench_null_extproc"
+        null["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"] = {
+            "socket_address": {"address": "127.0.0.1", "port_value": null_extproc_port}}
+        resources["clusters"].append(null)
         resources["clusters"].append({
             "name": "bench_pod", "type": "STATIC", "connect_timeout": "2s",
             "load_assignment": {"cluster_name": "bench_pod", "endpoints": [{"lb_endpoints": [{"endpoint": {
@@ -71,16 +85,16 @@ def add_direct_listener(port: int, observer: bool = True) -> Any:
     return patch
 
 
-async def measure(args: argparse.Namespace, gateway_port: int, direct_port: int, extproc_pids: list[int]
+async def measure(args: argparse.Namespace, ports: dict[str, int], cpu_pids: dict[str, list[int]]
                   ) -> dict[str, Any]:
     body = chat_body()
-    paths = {"envoy": direct_port, "extproc": gateway_port}
+    paths = ports
     plan = [(c, n) for c, n in ((1, args.requests_c1), (32, args.requests_c32))]
     stats: dict[tuple[str, int], list[dict[str, float]]] = {}
-    cpu: dict[int, list[float]] = {1: [], 32: []}
+    cpu: dict[tuple[str, int], list[float]] = {}
     with Progress(transient=True) as progress:
-        task = progress.add_task("benchmark", total=len(plan) * args.rounds * 2 + 2)
-        for name, port in paths.items():  # warm up connections, caches and JITs of both paths
+        task = progress.add_task("benchmark", total=(len(plan) * args.rounds + 1) * len(paths))
+        for name, port in paths.items():  # warm up connections, caches and JITs of every path
             await run_load("127.0.0.1", port, build_request("127.0.0.1", port, "/v1/chat/completions", body),
                            concurrency=8, requests=400)
             progress.advance(task)
@@ -88,13 +102,14 @@ async def measure(args: argparse.Namespace, gateway_port: int, direct_port: int,
             for _ in range(args.rounds):
                 for name, port in paths.items():
                     raw = build_request("127.0.0.1", port, "/v1/chat/completions", body)
-                    before = process_cpu_seconds(extproc_pids)
+                    pids = cpu_pids.get(name, [])
+                    before = process_cpu_seconds(pids)
                     result = await run_load("127.0.0.1", port, raw, concurrency=concurrency, requests=requests)
-                    used = process_cpu_seconds(extproc_pids) - before
+                    used = process_cpu_seconds(pids) - before
                     if result.errors:
                         raise SystemExit(f"{name}: {result.errors} non-200 answers")
-                    if name == "extproc":
-                        cpu[concurrency].append(used * 1000 / requests)
+                    if pids:
+                        cpu.setdefault((name, concurrency), []).append(used * 1000 / requests)
                     stats.setdefault((name, concurrency), []).append(
                         {"rps": result.rps, "p50_ms": result.p(50), "p99_ms": result.p(99)})
                     progress.advance(task)
@@ -108,8 +123,11 @@ async def measure(args: argparse.Namespace, gateway_port: int, direct_port: int,
                               "p50": round(extproc["p50_ms"] / envoy["p50_ms"], 3),
                               "p99": round(extproc["p99_ms"] / envoy["p99_ms"], 3)}
         out[f"added_p50_ms_c{c}"] = round(extproc["p50_ms"] - envoy["p50_ms"], 3)
-        out[f"extproc_cpu_ms_per_request_c{c}"] = median(cpu[c])
-    out["extproc_cpu_ms_per_request"] = median(cpu[1] + cpu[32])
+        out[f"added_p50_ms_null_c{c}"] = round(out[f"null_c{c}"]["p50_ms"] - envoy["p50_ms"], 3)
+        out[f"extproc_cpu_ms_per_request_c{c}"] = median(cpu[("extproc", c)])
+        out[f"null_cpu_ms_per_request_c{c}"] = median(cpu[("null", c)])
+    out["extproc_cpu_ms_per_request"] = median(cpu[("extproc", 1)] + cpu[("extproc", 32)])
+    out["null_cpu_ms_per_request"] = median(cpu[("null", 1)] + cpu[("null", 32)])
     out["targets"] = {"added_p50_ms_c1<=": TARGET_ADDED_P50_MS, "cpu_ms_per_request<=": TARGET_CPU_MS}
     out["met"] = out["added_p50_ms_c1"] <= TARGET_ADDED_P50_MS and out["extproc_cpu_ms_per_request"] <= TARGET_CPU_MS
     return out
@@ -122,19 +140,20 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, c in zip(axes, (1, 32)):
-        names = ["envoy", "extproc"]
+        names = ["envoy", "null", "extproc"]
         p50 = [result[f"{n}_c{c}"]["p50_ms"] for n in names]
         p99 = [result[f"{n}_c{c}"]["p99_ms"] for n in names]
         xs = range(len(names))
         ax.bar([x - 0.2 for x in xs], p50, width=0.4, label="p50")
         ax.bar([x + 0.2 for x in xs], p99, width=0.4, label="p99")
-        ax.set_xticks(list(xs), ["Envoy alone", "Envoy + extproc"])
+        ax.set_xticks(list(xs), ["Envoy alone", "+ null ext_proc", "+ llmgw extproc"])
         ax.set_title(f"concurrency {c}: {result[f'envoy_c{c}']['rps']:.0f} vs {result[f'extproc_c{c}']['rps']:.0f} req/s")
         ax.set_ylabel("latency (ms)")
         ax.legend()
-    fig.suptitle(f"~4 KB chat request; extproc CPU {result['extproc_cpu_ms_per_request']} ms/request")
+    fig.suptitle(f"~4 KB chat request; CPU per request: llmgw {result['extproc_cpu_ms_per_request']} ms, "
+                 f"null ext_proc {result['null_cpu_ms_per_request']} ms")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -155,18 +174,25 @@ def main() -> None:
         config = run_dir / "llmgw.yaml"
         config.write_text(yaml.safe_dump({"pools": [{"name": "bench", "simulate": 1}],
                                           "models": [{"name": MODEL, "pool": "bench"}]}))
-        direct_port = free_port()
+        direct_port, null_port = free_port(), free_port()
+        group = ProcessGroup(run_dir / "logs")
+        null_child = group.spawn("null-extproc", [sys.executable, "-m", "bench.null_extproc", "--port", "0"])
+        null_extproc_port = int(group.wait_ready_line(null_child, 20).rpartition(":")[2])
         options = StackOptions(config_path=config, run_dir=run_dir, port=free_port(), workers=args.workers,
                                envoy_concurrency=args.envoy_concurrency, log_level="WARNING",
                                sim_args=("--time-scale", "0", "--log-level", "ERROR"),
-                               envoy_patch=add_direct_listener(direct_port, not args.no_observer))
+                               envoy_patch=add_bench_listeners(direct_port, null_port, null_extproc_port,
+                                                               not args.no_observer))
         stack = LocalStack(options)
-        with stack as info:
-            pids = [c.pid for c in stack.group.children if c.name.startswith("extproc")]
-            gateway_port = int(info.base_url.rpartition(":")[2])
-            result = asyncio.run(measure(args, gateway_port, direct_port, pids))
+        try:
+            with stack as info:
+                pids = [c.pid for c in stack.group.children if c.name.startswith("extproc")]
+                ports = {"envoy": direct_port, "null": null_port, "extproc": int(info.base_url.rpartition(":")[2])}
+                result = asyncio.run(measure(args, ports, {"extproc": pids, "null": [null_child.pid]}))
+        finally:
+            group.stop()
     result["setup"] = {"extproc_workers": args.workers, "envoy_concurrency": args.envoy_concurrency,
-                       "pod": "extproc.sim --time-scale 0"}
+                       "pod": "extproc.sim --time-scale 0", "null": "bench.null_extproc behind the same two filters"}
     emit("overhead", result)
     plot(result, RESULTS / "overhead.png")
 

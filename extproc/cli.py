@@ -170,3 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``llmgw`` console script."""
     args = build_parser().parse_args(argv)
     sys.exit(args.handler(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -22,12 +22,11 @@ OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
 def headers_to_dict(header_map: HeaderMap) -> dict[str, str]:
-    """Envoy header map -> {lower-case name: value}; a repeated header keeps its first value."""
-    out: dict[str, str] = {}
-    for header in header_map.headers:
-        if header.key not in out:
-            out[header.key] = header.raw_value.decode("utf-8", "replace") if header.raw_value else header.value
-    return out
+    """Envoy header map -> {lower-case name: value}; a repeated header keeps its last value.
+
+    Envoy 1.40 sends values in ``raw_value``; ``value`` is read only when that is empty.
+    """
+    return {h.key: h.raw_value.decode("utf-8", "replace") or h.value for h in header_map.headers}
 
 
 def _mutation(decision: Continue) -> HeaderMutation | None:
