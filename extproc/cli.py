@@ -24,6 +24,9 @@ class _Stop(Exception):
 
 
 def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    # Further signals (Ctrl-C twice, a process group's SIGTERM) must not cut the cleanup short.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise _Stop
 
 
@@ -43,7 +46,8 @@ def _supervise(group: ProcessGroup) -> int:
         console.print("stopping...")
         return 0
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         group.stop()
 
 
