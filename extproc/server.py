@@ -107,7 +107,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
 
 def _log_access(observation: ResponseObservation) -> None:
-    access_log.info("%s", orjson.dumps(observation.record()).decode())
+    if access_log.isEnabledFor(logging.INFO):  # building the record costs a usage parse
+        access_log.info("%s", orjson.dumps(observation.record()).decode())
 
 
 def build_server(config: GatewayConfig) -> grpc.aio.Server:
