@@ -7,6 +7,7 @@ variables or files when the config is compiled and never appear in ``repr`` or l
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
@@ -28,7 +29,12 @@ class ConfigError(ValueError):
 def _host_port(endpoint: str) -> str:
     match = _HOST_PORT.match(endpoint)
     if not match or not 0 < int(match.group(2)) < 65536:
-        raise ValueError(f"{endpoint!r} is not host:port")
+        raise ValueError(f"{endpoint!r} is not IP:port")
+    try:
+        ipaddress.ip_address(match.group(1).strip("[]"))
+    except ValueError:
+        # Envoy's ORIGINAL_DST cluster connects to the address in the header; it resolves no names.
+        raise ValueError(f"{endpoint!r}: use the pod's IP address, not a host name") from None
     return endpoint
 
 

@@ -106,7 +106,9 @@ class Gateway:
 
         strip = tuple(name for name in headers if _is_internal(name))
         self._active[state.trace.span_id] = state
-        return Continue(set_headers=state.identity_headers(), remove_headers=strip)
+        # Envoy picked a route from the client's headers; re-pick it without the stripped ones, so
+        # a request that never reaches the body phase cannot ride a forged x-llmgw-route.
+        return Continue(set_headers=state.identity_headers(), remove_headers=strip, clear_route_cache=True)
 
     def request_body(self, state: RequestState, body: bytes) -> Decision:
         """Validate the body, resolve the model, pick an endpoint and route to it."""
@@ -146,6 +148,13 @@ class Gateway:
         """The in-flight request whose gateway span is ``span_id`` (for the observer)."""
         return self._active.get(span_id) or self._recent.pop(span_id, None)
 
+    def request_trailers(self, state: RequestState) -> Decision:
+        """Trailers: after the body they pass; with no body before them the request is empty."""
+        if state.request is None and state.rejected is None:
+            return self._reject(state, ApiError(400, "The request body is empty: send a JSON object.",
+                                                code="invalid_json"))
+        return Continue()
+
     def finish(self, state: RequestState) -> None:
         """The stream ended (response done, client gone or error): release what the request held."""
         if state.trace is not None and self._active.pop(state.trace.span_id, None) is not None:
@@ -179,8 +188,12 @@ class Gateway:
         return Reply.json(200, orjson.dumps(_model_card(name, model)), state.identity_headers())
 
 
+# The tenant's credentials, in every header OpenAI-compatible clients put them in (Azure's api-key too).
+CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "api-key", "x-api-key"})
+
+
 def _is_internal(name: str) -> bool:
-    return name.startswith(INTERNAL_PREFIX) or name == DESTINATION_HEADER or name == "authorization"
+    return name.startswith(INTERNAL_PREFIX) or name == DESTINATION_HEADER or name in CREDENTIAL_HEADERS
 
 
 def _model_card(name: str, model: Model) -> dict[str, object]:

@@ -35,11 +35,24 @@ class ChildFailed(RuntimeError):
     """A child did not become ready, or exited while the stack was running."""
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn asking the kernel to SIGTERM the child when this process dies (Linux).
+
+    ``prctl`` is looked up here, in the parent: between fork and exec the child may only make
+    plain calls. If the parent died before ``prctl`` ran, the child exits at once.
+    """
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):  # not Linux: the launcher's own cleanup still applies
-        pass
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -77,14 +90,16 @@ class ProcessGroup:
     log_dir: Path
     children: list[Child] = field(default_factory=list)
 
-    def spawn(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Child:
-        """Start ``argv``; stderr (and later stdout) go to ``<log_dir>/<name>.log``."""
+    def spawn(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None,
+              ready_line: bool = True) -> Child:
+        """Start ``argv``; stderr goes to ``<log_dir>/<name>.log``, and so does stdout, after the
+        READY line when ``ready_line`` (read it with `wait_ready_line`), from the start otherwise."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name.replace(' ', '-')}.log"
-        log_file = open(log_path, "ab")  # noqa: SIM115 (owned by the copier thread and the child)
+        log_file = open(log_path, "ab")  # noqa: SIM115 (the child holds its own copy)
         proc = subprocess.Popen(
-            list(argv), stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent,
+            list(argv), stdout=subprocess.PIPE if ready_line else log_file, stderr=log_file,
+            stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent(),
         )
         log_file.close()
         child = Child(name, proc, log_path)
@@ -240,10 +255,10 @@ class LocalStack:
         if opts.envoy_patch is not None:
             opts.envoy_patch(rendered, pod_urls)
         envoy_path = envoyconf.write(rendered, opts.run_dir / "envoy.yaml")
-        envoy = self.group.spawn("envoy", [
+        envoy = self.group.spawn("envoy", [  # its access log (stdout) goes straight to envoy.log
             envoyconf.envoy_binary(), "-c", str(envoy_path), "--use-dynamic-base-id",
             "--concurrency", str(opts.envoy_concurrency or os.cpu_count() or 1), "--log-level", "warn",
-        ])
+        ], ready_line=False)
         admin_url = f"http://127.0.0.1:{admin_port}"
         wait_http_ok(f"{admin_url}/ready", opts.ready_timeout, envoy)
         self.info = StackInfo(f"http://127.0.0.1:{opts.port}", admin_url, f"127.0.0.1:{extproc_port}",

@@ -1,7 +1,8 @@
 """The order of ext_proc messages on one stream, as an explicit table.
 
-Envoy sends, for the main filter's processing mode (request headers SEND, request body BUFFERED):
-request headers, then (unless the request had no body or was answered) the whole body at once.
+Envoy sends, for the main filter's processing mode (request headers SEND, request body BUFFERED,
+request trailers SEND): request headers, then (unless the request had no body or was answered) the
+whole body at once, then trailers if the client sent any.
 Response phases are skipped in the shipped envoy.yaml; if an operator turns them on they pass
 through. Anything else is a protocol error, never a silent skip.
 """
@@ -27,6 +28,7 @@ class Stage(enum.Enum):
 
     START = "start"  # nothing received yet
     AWAIT_BODY = "await_body"  # headers done, the request body is coming
+    AWAIT_TRAILERS = "await_trailers"  # the whole (buffered) body came; trailers follow
     FORWARDED = "forwarded"  # the request went upstream; only response phases may follow
     ANSWERED = "answered"  # an ImmediateResponse was sent; Envoy sends nothing more
 
@@ -40,7 +42,8 @@ ALLOWED: frozenset[tuple[Stage, Phase]] = frozenset(
     {
         (Stage.START, Phase.REQUEST_HEADERS),
         (Stage.AWAIT_BODY, Phase.REQUEST_BODY),
-        (Stage.AWAIT_BODY, Phase.REQUEST_TRAILERS),
+        (Stage.AWAIT_BODY, Phase.REQUEST_TRAILERS),  # trailers and no body: answered with a 400
+        (Stage.AWAIT_TRAILERS, Phase.REQUEST_TRAILERS),
         (Stage.FORWARDED, Phase.RESPONSE_HEADERS),
         (Stage.FORWARDED, Phase.RESPONSE_BODY),
         (Stage.FORWARDED, Phase.RESPONSE_TRAILERS),
@@ -61,5 +64,5 @@ def advance(stage: Stage, phase: Phase, *, answered: bool, end_of_stream: bool) 
     if phase is Phase.REQUEST_HEADERS:
         return Stage.FORWARDED if end_of_stream else Stage.AWAIT_BODY
     if phase is Phase.REQUEST_BODY and not end_of_stream:
-        return Stage.AWAIT_BODY  # trailers follow
+        return Stage.AWAIT_TRAILERS  # BUFFERED sends the body once: only trailers may follow
     return Stage.FORWARDED

@@ -31,6 +31,7 @@ from extproc.routing.picker import LeastInFlight
 from extproc.wire import headers_to_dict, to_response
 
 log = logging.getLogger("llmgw.extproc")
+ENVOY_BUFFER_LIMIT = 32 * 1024 * 1024
 access_log = logging.getLogger("llmgw.access")
 
 _INTERNAL_ERROR = ApiError(500, "The gateway failed to process the request; it was not forwarded.",
@@ -99,6 +100,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             if phase is Phase.REQUEST_BODY:
                 body = message.request_body
                 return self.gateway.request_body(state, body.body), body.end_of_stream
+            if phase is Phase.REQUEST_TRAILERS:
+                return self.gateway.request_trailers(state), True
             return PASS_THROUGH, True  # response phases, if an operator turns them on
         except Exception:  # a bug must fail this request closed with a 500, never the server
             log.exception("failed to process %s (request_id=%s)", phase.value, state.request_id)
@@ -113,7 +116,9 @@ def _log_access(observation: ResponseObservation) -> None:
 
 def build_server(config: GatewayConfig) -> grpc.aio.Server:
     """A grpc.aio server carrying the servicer; messages as large as Envoy may buffer."""
-    limit = config.max_body_bytes + (1 << 20)
+    # At least what Envoy may buffer (per_connection_buffer_limit_bytes in envoy.yaml), so that an
+    # oversize chunked body reaches the gateway and gets an OpenAI-style 413, not a gRPC error.
+    limit = max(config.max_body_bytes, ENVOY_BUFFER_LIMIT) + (1 << 20)
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", limit),

@@ -60,6 +60,9 @@ def test_picker_ties_are_random_but_balanced() -> None:
         (Stage.START, Phase.REQUEST_BODY, False),  # body before headers
         (Stage.AWAIT_BODY, Phase.REQUEST_HEADERS, False),  # headers twice
         (Stage.AWAIT_BODY, Phase.REQUEST_BODY, True),
+        (Stage.AWAIT_BODY, Phase.REQUEST_TRAILERS, True),  # trailers, no body: the gateway refuses it
+        (Stage.AWAIT_TRAILERS, Phase.REQUEST_BODY, False),  # BUFFERED sends the body once
+        (Stage.AWAIT_TRAILERS, Phase.REQUEST_TRAILERS, True),
         (Stage.ANSWERED, Phase.REQUEST_BODY, False),  # nothing after an ImmediateResponse
         (Stage.FORWARDED, Phase.RESPONSE_HEADERS, True),  # an operator may turn response phases on
         (Stage.FORWARDED, Phase.REQUEST_BODY, False),
@@ -77,6 +80,7 @@ def test_advance() -> None:
     assert advance(Stage.START, Phase.REQUEST_HEADERS, answered=False, end_of_stream=False) is Stage.AWAIT_BODY
     assert advance(Stage.START, Phase.REQUEST_HEADERS, answered=True, end_of_stream=False) is Stage.ANSWERED
     assert advance(Stage.AWAIT_BODY, Phase.REQUEST_BODY, answered=False, end_of_stream=True) is Stage.FORWARDED
+    assert advance(Stage.AWAIT_BODY, Phase.REQUEST_BODY, answered=False, end_of_stream=False) is Stage.AWAIT_TRAILERS
 
 
 @pytest.mark.parametrize(
@@ -112,14 +116,16 @@ def test_observation_keeps_a_bounded_tail() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda c: c["pools"][0].update(endpoints=["nohost"]), "pools[0].endpoints[0]: 'nohost' is not host:port"),
+        (lambda c: c["pools"][0].update(endpoints=["nohost"]), "pools[0].endpoints[0]: 'nohost' is not IP:port"),
+        (lambda c: c["pools"][0].update(endpoints=["10.0.0.1:80", "vllm-0.svc:8000"]),
+         "pools[0].endpoints[1]: 'vllm-0.svc:8000': use the pod's IP address"),
         (lambda c: c["pools"][0].update(colour="red"), "pools[0].colour: unknown field"),
         (lambda c: c["models"][1].update(pool="gpu"), "models[1].pool: no pool named 'gpu'"),
         (lambda c: c["models"][1].update(aliases=["gpt-4o-mini"]), "models[1].aliases[0]: 'gpt-4o-mini' is already"),
         (lambda c: c["server"].update(max_body_bytes=-1), "server.max_body_bytes: Input should be greater than 0"),
         (lambda c: c.update(pools=[*c["pools"], dict(c["pools"][0])]), "pools[2].name: duplicate name 'general'"),
     ],
-    ids=["endpoint", "unknown-field", "unknown-pool", "duplicate-alias", "negative-limit", "duplicate-pool"],
+    ids=["endpoint", "hostname", "unknown-field", "unknown-pool", "duplicate-alias", "negative-limit", "duplicate-pool"],
 )
 def test_config_errors_name_the_field(change, message: str) -> None:  # noqa: ANN001
     import copy

@@ -75,10 +75,25 @@ def test_models_list_has_names_and_aliases(gateway: Gateway) -> None:
 
 def test_internal_headers_and_authorization_are_stripped(gateway: Gateway) -> None:
     spoofed = {"x-llmgw-route": "batch", "x-llmgw-tenant": "admin", DESTINATION_HEADER: "evil:1",
-               "authorization": "Bearer sk-tenant", "x-other": "kept"}
+               "authorization": "Bearer sk-tenant", "api-key": "sk-azure-style", "x-api-key": "k",
+               "proxy-authorization": "Basic x", "x-other": "kept"}
     decision = gateway.request_headers(gateway.new_request(), post_headers(**spoofed), False)
     assert isinstance(decision, Continue)
-    assert set(decision.remove_headers) == {"x-llmgw-route", "x-llmgw-tenant", DESTINATION_HEADER, "authorization"}
+    assert set(decision.remove_headers) == {"x-llmgw-route", "x-llmgw-tenant", DESTINATION_HEADER, "authorization",
+                                            "api-key", "x-api-key", "proxy-authorization"}
+    assert decision.clear_route_cache  # the route Envoy chose from the forged headers is dropped
+
+
+def test_trailers_without_a_body_are_refused(gateway: Gateway) -> None:
+    state = gateway.new_request()
+    gateway.request_headers(state, post_headers(**{"x-llmgw-route": "batch"}), False)
+    assert error_of(gateway.request_trailers(state)) == (400, "invalid_json")
+    assert state.endpoint is None
+
+
+def test_trailers_after_the_body_pass(gateway: Gateway) -> None:
+    state, _ = through_body(gateway, CHAT)
+    assert gateway.request_trailers(state) == Continue()
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,72 @@
+"""Least in-flight picking through the real stack, made deterministic: one Envoy worker and one
+extproc process, so every request is counted by the same picker."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from extproc.launcher import LocalStack, StackInfo, StackOptions, free_port
+
+MODEL = "llama-3-8b-instruct"
+
+
+@pytest.fixture(scope="module")
+def single_worker_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
+    run_dir = Path(tmp_path_factory.mktemp("picker"))
+    config = run_dir / "llmgw.yaml"
+    config.write_text(yaml.safe_dump({"pools": [{"name": "local", "simulate": 2}],
+                                      "models": [{"name": MODEL, "pool": "local"}]}))
+    options = StackOptions(config_path=config, run_dir=run_dir, port=free_port(), workers=1, envoy_concurrency=1,
+                           sim_args=("--record", "100"), log_level="WARNING")
+    with LocalStack(options) as info:
+        yield info
+
+
+def _endpoint_of(stack: StackInfo, request_id: str) -> str:
+    for url in stack.pod_urls["local"]:
+        for record in httpx.get(f"{url}/debug/requests").json()["requests"]:
+            headers = {k.lower(): v for k, v in record["headers"].items()}
+            if headers.get("x-request-id") == request_id:
+                return headers["x-gateway-destination-endpoint"]
+    raise AssertionError(f"no pod saw {request_id}")
+
+
+def _long_stream(base_url: str, request_id: str, started: threading.Event, stop: threading.Event) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "long"}], "stream": True,
+            "max_tokens": 2000, "ignore_eos": True}  # ~25 s of decoding unless the client goes away
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=30,
+                      headers={"x-request-id": request_id}) as response:
+        for _ in response.iter_lines():
+            started.set()
+            if stop.is_set():
+                return  # hang up mid-stream: the gateway must release the pod's in-flight count
+
+
+def test_requests_avoid_the_pod_with_a_stream_in_flight_and_release_it(single_worker_stack: StackInfo) -> None:
+    base = single_worker_stack.base_url
+    tag = uuid.uuid4().hex[:8]
+    for round_ in range(3):  # later rounds would tie (and pick at random) if a hung-up stream leaked its count
+        started, stop = threading.Event(), threading.Event()
+        long_id = f"long-{tag}-{round_}"
+        streamer = threading.Thread(target=_long_stream, args=(base, long_id, started, stop))
+        streamer.start()
+        assert started.wait(10)
+        busy = _endpoint_of(single_worker_stack, long_id)
+        with httpx.Client(base_url=base, timeout=30) as client:
+            for i in range(6):
+                short_id = f"short-{tag}-{round_}-{i}"
+                response = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+                                       headers={"x-request-id": short_id})
+                assert response.status_code == 200
+                assert _endpoint_of(single_worker_stack, short_id) != busy  # the idle pod has fewer in flight
+        stop.set()
+        streamer.join(30)
+        time.sleep(0.2)  # the ext_proc stream closes when Envoy sees the client go
