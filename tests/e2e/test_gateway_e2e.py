@@ -267,3 +267,12 @@ def test_observer_records_usage_and_route(stack: StackInfo, client: openai.OpenA
         "x-gateway-destination-endpoint"]
     assert record["llmgw.stream"] is stream and record["llmgw.complete"] is True
     assert record["http.response.status_code"] == 200
+
+
+def test_client_envoy_control_headers_are_ignored(http: httpx.Client) -> None:
+    # Honoured, this header would cut the ~0.3 s generation off with a 504 after 1 ms.
+    response = http.post("/v1/chat/completions",
+                         json={"model": MODEL, "messages": HELLO, "max_tokens": 20, "ignore_eos": True},
+                         headers={"x-envoy-upstream-rq-timeout-ms": "1", "x-envoy-retry-on": "5xx"})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 20
