@@ -112,3 +112,38 @@ def test_up_with_a_bad_config_names_the_field(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 1
     assert "pools[0].endpoints[0]" in result.stderr
+
+
+def test_serve_runs_workers_on_one_port_and_stops(tmp_path: Path) -> None:
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    from tests.helpers import request_headers
+
+    config = tmp_path / "llmgw.yaml"
+    config.write_text(yaml.safe_dump({"pools": [{"name": "p", "endpoints": ["127.0.0.1:9"]}],
+                                      "models": [{"name": "m", "pool": "p"}]}))
+    proc = subprocess.Popen([sys.executable, "-m", "extproc.cli", "serve", "--config", str(config), "--port", "0",
+                             "--workers", "2", "--run-dir", str(tmp_path / "run")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("READY 127.0.0.1:") and "(2 workers)" in line
+        address = line.split()[1]
+        assert len(_children(proc.pid)) == 2
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.ExternalProcessorStub(channel)
+            models = {":method": "GET", ":path": "/v1/models"}
+            for _ in range(4):  # new connections may land on either worker; both must answer
+                answer = list(stub.Process(iter([request_headers(models, end_of_stream=True)]), timeout=5))
+                assert answer[0].immediate_response.status.code == 200
+        children = _children(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        time.sleep(0.2)
+        assert not [pid for pid in children if _alive(pid)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
