@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import sys
 import time
@@ -12,10 +13,11 @@ from types import FrameType
 
 from rich.console import Console
 
-from extproc.config import ConfigError, load_config
+from extproc.config import ConfigError, compile_spec, hash_key, load_config, load_spec
 from extproc.launcher import ChildFailed, LocalStack, ProcessGroup, StackInfo, StackOptions, free_port
 
 DEFAULT_CONFIG = "config/local.yaml"
+DEV_KEY_ENV = "LLMGW_DEV_KEY"
 console = Console(stderr=True, highlight=False)
 
 
@@ -51,8 +53,9 @@ def _supervise(group: ProcessGroup) -> int:
         group.stop()
 
 
-def _print_welcome(info: StackInfo, model: str, started_in: float) -> None:
+def _print_welcome(info: StackInfo, model: str, started_in: float, api_key: str) -> None:
     base = info.base_url
+    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key != "local" else ""
     pods = ", ".join(u for urls in info.pod_urls.values() for u in urls) or "(none simulated)"
     print(f"""llmgw is up in {started_in:.1f} s
 
@@ -62,12 +65,12 @@ def _print_welcome(info: StackInfo, model: str, started_in: float) -> None:
 
 Try it:
 
-curl -sN {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+curl -sN {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
   -d '{{"model": "{model}", "stream": true, "messages": [{{"role": "user", "content": "Hello!"}}]}}'
 
 python - <<'EOF'
 from openai import OpenAI
-client = OpenAI(base_url="{base}/v1", api_key="local")
+client = OpenAI(base_url="{base}/v1", api_key="{api_key}")
 for chunk in client.chat.completions.create(
         model="{model}", stream=True, messages=[{{"role": "user", "content": "Hello!"}}]):
     print(chunk.choices[0].delta.content or "" if chunk.choices else "", end="", flush=True)
@@ -80,10 +83,13 @@ Ctrl-C stops everything.""", flush=True)
 def cmd_up(args: argparse.Namespace) -> int:
     """``llmgw up``: simulated pods + extproc workers + Envoy, in the foreground."""
     started = time.monotonic()
+    # The local config's tenant takes its key from LLMGW_DEV_KEY: made up here unless given, and
+    # printed below; only its hash ever sits in memory, and it is never written to disk.
+    dev_key = os.environ.get(DEV_KEY_ENV) or new_api_key()
     options = StackOptions(
         config_path=Path(args.config), run_dir=Path(args.run_dir), port=args.port, listen_host=args.host,
         workers=args.workers, envoy_yaml=Path(args.envoy_config) if args.envoy_config else None,
-        log_level=args.log_level,
+        log_level=args.log_level, env={DEV_KEY_ENV: dev_key},
     )
     stack = LocalStack(options)
     try:
@@ -91,9 +97,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     except (ConfigError, ChildFailed, FileNotFoundError) as error:
         console.print(f"[red]llmgw up failed: {error}[/red]")
         return 1
-    config = load_config(info.config_path)
+    config = compile_spec(load_spec(info.config_path), env={**os.environ, DEV_KEY_ENV: dev_key})
     model = config.models[0].aliases[0] if config.models[0].aliases else config.models[0].name
-    _print_welcome(info, model, time.monotonic() - started)
+    api_key = dev_key if config.tenant_for(hash_key(dev_key)) else "local"
+    _print_welcome(info, model, time.monotonic() - started, api_key)
     print(f"Logs: {stack.group.log_dir}/", flush=True)
     return _supervise(stack.group)
 
@@ -126,16 +133,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return _supervise(group)
 
 
+def new_api_key() -> str:
+    """A fresh random API key."""
+    return "sk-llmgw-" + secrets.token_urlsafe(24)
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    """``llmgw keygen``: a new API key and the config lines that grant it (only the hash is stored)."""
+    key = new_api_key()
+    print(f"# API key (give it to the tenant; only its hash goes in the config): {key}")
+    print(f"tenants:\n  - name: {args.tenant}\n    keys:\n      - sha256: {hash_key(key).hex()}")
+    return 0
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     """``llmgw check-config``: validate a config file and summarise it."""
     try:
-        config = load_config(args.config)
+        spec = load_spec(args.config)
+        # Simulated pools get their endpoints from `llmgw up`; stand-ins let the rest be checked.
+        pools = [p.model_copy(update={"endpoints": p.endpoints or ["127.0.0.1:1"]}) for p in spec.pools]
+        env = {**os.environ, DEV_KEY_ENV: os.environ.get(DEV_KEY_ENV) or "unset"}
+        config = compile_spec(spec.model_copy(update={"pools": pools}), env=env)
     except ConfigError as error:
         console.print(f"[red]{error}[/red]")
         return 2
     for pool in config.pools.values():
         models = [m.name for m in config.models if m.pool is pool]
         print(f"pool {pool.name}: {len(pool.endpoints)} endpoints, models {', '.join(models)}")
+    tenants = sorted({t.name for t in config.tenants_by_key.values()})
+    print(f"tenants: {', '.join(tenants) if tenants else 'none (no API keys required)'}")
     print("ok")
     return 0
 
@@ -163,6 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--run-dir", default=".run")
     serve.add_argument("--log-level", default="INFO")
     serve.set_defaults(handler=cmd_serve)
+
+    keygen = commands.add_parser("keygen", help="make an API key; prints the config lines with its hash")
+    keygen.add_argument("--tenant", default="my-team")
+    keygen.set_defaults(handler=cmd_keygen)
 
     check = commands.add_parser("check-config", help="validate a config file")
     check.add_argument("config")

@@ -7,6 +7,7 @@ variables or files when the config is compiled and never appear in ``repr`` or l
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 import re
@@ -16,6 +17,8 @@ from typing import Annotated, Any
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from extproc.cache.bloom import BloomFilter
 
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@-]*$")
@@ -81,6 +84,28 @@ class ModelSpec(_Strict):
     max_model_len: Annotated[int, Field(gt=0)] | None = None
 
 
+class KeySpec(_Strict):
+    """One API key of a tenant: its SHA-256 (hex), or an environment variable holding the key."""
+
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
+    env: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> KeySpec:
+        if (self.sha256 is None) == (self.env is None):
+            raise ValueError("give exactly one of sha256 or env")
+        return self
+
+
+class TenantSpec(_Strict):
+    """A tenant: who its API keys belong to, the QoS classes it may use and tags for accounting."""
+
+    name: Annotated[str, Field(pattern=_NAME.pattern)]
+    keys: Annotated[list[KeySpec], Field(min_length=1)]
+    qos: Annotated[list[str], Field(min_length=1)] = Field(default_factory=lambda: ["standard"])
+    tags: dict[str, str] = Field(default_factory=dict)
+
+
 class ServerSpec(_Strict):
     """The ext_proc server process settings."""
 
@@ -97,11 +122,14 @@ class GatewaySpec(_Strict):
     redis_url: str | None = None
     pools: list[PoolSpec]
     models: list[ModelSpec]
+    # With tenants, every request needs one of their API keys (401 otherwise); without, no auth.
+    tenants: list[TenantSpec] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _cross_references(self) -> GatewaySpec:
         pool_names = [p.name for p in self.pools]
         _no_duplicates("pools", pool_names)
+        _no_duplicates("tenants", [t.name for t in self.tenants])
         seen: dict[str, str] = {}
         for i, model in enumerate(self.models):
             if model.pool not in pool_names:
@@ -145,6 +173,15 @@ class Model:
 
 
 @dataclass(frozen=True, slots=True)
+class Tenant:
+    """A compiled tenant (its keys live only as digests in the key table)."""
+
+    name: str
+    qos: tuple[str, ...]
+    tags: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """The frozen snapshot the request path reads; swapped whole, never mutated."""
 
@@ -154,10 +191,19 @@ class GatewayConfig:
     max_body_bytes: int
     server: ServerSpec
     redis_url: str | None = field(repr=False)
+    tenants_by_key: dict[bytes, Tenant] = field(default_factory=dict, repr=False)  # SHA-256 digest -> tenant
+    key_filter: BloomFilter = field(default_factory=BloomFilter, repr=False)
+    auth_required: bool = False
 
     def lookup(self, requested: str) -> Model | None:
         """The model a client's ``model`` field names, through aliases; None when unknown."""
         return self.models_by_name.get(requested)
+
+    def tenant_for(self, digest: bytes) -> Tenant | None:
+        """The tenant owning the key with this SHA-256 digest; the Bloom filter answers most misses."""
+        if digest not in self.key_filter:
+            return None
+        return self.tenants_by_key.get(digest)
 
 
 def format_validation_error(error: ValidationError) -> str:
@@ -202,7 +248,33 @@ def compile_spec(spec: GatewaySpec, *, env: dict[str, str] | os._Environ[str]) -
     )
     by_name = {name: model for model in models for name in (model.name, *model.aliases)}
     redis_url = spec.redis_url or env.get("LLMGW_REDIS_URL") or None
-    return GatewayConfig(by_name, models, pools, spec.server.max_body_bytes, spec.server, redis_url)
+    keys = _compile_keys(spec.tenants, env)
+    return GatewayConfig(by_name, models, pools, spec.server.max_body_bytes, spec.server, redis_url,
+                         keys, BloomFilter(keys), bool(spec.tenants))
+
+
+def hash_key(key: str) -> bytes:
+    """The SHA-256 digest under which an API key is stored; the key itself is never kept."""
+    return hashlib.sha256(key.encode()).digest()
+
+
+def _compile_keys(tenants: list[TenantSpec], env: Any) -> dict[bytes, Tenant]:
+    table: dict[bytes, Tenant] = {}
+    for i, spec in enumerate(tenants):
+        tenant = Tenant(spec.name, tuple(spec.qos), tuple(sorted(spec.tags.items())))
+        for j, key in enumerate(spec.keys):
+            where = f"tenants[{i}].keys[{j}]"
+            if key.env is not None:
+                value = env.get(key.env)
+                if not value:
+                    raise ConfigError(f"{where}.env: environment variable {key.env} is not set")
+                digest = hash_key(value)
+            else:
+                digest = bytes.fromhex(key.sha256 or "")
+            if digest in table:
+                raise ConfigError(f"{where}: the same key is already given to tenant {table[digest].name!r}")
+            table[digest] = tenant
+    return table
 
 
 def _read_credential(spec: CredentialSpec | None, path: str, env: Any) -> str | None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from extproc.api import OPERATIONS_BY_PATH, ApiError, Operation, ParsedRequest, parse_request
-from extproc.config import GatewayConfig, Model
+from extproc.config import GatewayConfig, Model, Tenant, hash_key
 from extproc.decisions import Continue, Decision, Headers, Reply
 from extproc.routing.picker import EndpointPicker
 from extproc.telemetry.tracecontext import IdSource, TraceContext, continue_or_start, random_hex, request_id
@@ -27,6 +27,7 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"  # read by the ORIGINAL_DS
 ROUTE_HEADER = "x-llmgw-route"
 MODEL_HEADER = "x-llmgw-model"
 POOL_HEADER = "x-llmgw-pool"
+TENANT_HEADER = "x-llmgw-tenant"
 ROUTE_DIRECT = "direct"
 MODELS_PATH = "/v1/models"
 RECENT_LIMIT = 4096  # finished requests kept for a late observer message
@@ -46,6 +47,7 @@ class RequestState:
     request: ParsedRequest | None = field(default=None, repr=False)
     rejected: ApiError | None = None
     released: bool = False
+    tenant: Tenant | None = None
 
     def identity_headers(self) -> Headers:
         """Headers that go to the pod and back to the client: ``x-request-id`` and ``traceparent``."""
@@ -58,13 +60,17 @@ class Gateway:
     """Turns request phases into decisions, against one immutable config snapshot."""
 
     def __init__(self, config: GatewayConfig, picker: EndpointPicker, new_id: IdSource = random_hex) -> None:
-        self.config = config
         self._picker = picker
         self._new_id = new_id
-        self._models_body = _models_list(config)
+        self.reload(config)
         self._active: dict[str, RequestState] = {}  # forwarded requests by the gateway's span id
         # Finished ones, briefly: the observer's messages may be handled after the main stream ended.
         self._recent: OrderedDict[str, RequestState] = OrderedDict()
+
+    def reload(self, config: GatewayConfig) -> None:
+        """Swap in a new config snapshot; requests in flight keep what they already decided."""
+        self._models_body = _models_list(config)
+        self.config = config
 
     def new_request(self) -> RequestState:
         """State for a new ext_proc stream."""
@@ -83,6 +89,8 @@ class Gateway:
             if method != "GET":
                 return self._reject(state, ApiError(405, f"{method} is not allowed on {path}; use GET",
                                                     code="method_not_allowed"), (("allow", "GET"),))
+            if self.config.auth_required and not self._authenticate(state, headers):
+                return self._unauthorized(state)
             return self._models(state, path)
         operation = OPERATIONS_BY_PATH.get(path)
         if operation is None:
@@ -91,6 +99,8 @@ class Gateway:
             return self._reject(state, ApiError(405, f"{method} is not allowed on {path}; use POST",
                                                 code="method_not_allowed"), (("allow", "POST"),))
         state.operation = operation
+        if self.config.auth_required and not self._authenticate(state, headers):
+            return self._unauthorized(state)
 
         content_type = headers.get("content-type", "")
         if content_type.partition(";")[0].strip().lower() != "application/json":
@@ -135,6 +145,8 @@ class Gateway:
             (MODEL_HEADER, model.name),
             (POOL_HEADER, model.pool.name),
         ]
+        if state.tenant is not None:
+            set_headers.append((TENANT_HEADER, state.tenant.name))
         if model.pool.credential:
             set_headers.append(("authorization", f"Bearer {model.pool.credential}"))
         new_body = None
@@ -165,6 +177,21 @@ class Gateway:
             self._picker.release(state.endpoint)
             state.released = True
 
+    # -- authentication ---------------------------------------------------------------------
+
+    def _authenticate(self, state: RequestState, headers: Mapping[str, str]) -> bool:
+        key = presented_key(headers)
+        if key is None:
+            return False
+        state.tenant = self.config.tenant_for(hash_key(key))
+        return state.tenant is not None
+
+    def _unauthorized(self, state: RequestState) -> Reply:
+        # OpenAI answers a missing and a wrong key alike: 401 invalid_api_key; the key is never echoed.
+        error = ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                         code="invalid_api_key")
+        return self._reject(state, error, (("www-authenticate", 'Bearer realm="llmgw"'),))
+
     # -- replies ----------------------------------------------------------------------------
 
     def _reject(self, state: RequestState, error: ApiError, extra: Headers = ()) -> Reply:
@@ -190,6 +217,15 @@ class Gateway:
 
 # The tenant's credentials, in every header OpenAI-compatible clients put them in (Azure's api-key too).
 CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "api-key", "x-api-key"})
+
+
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    """The API key a client sent: ``Authorization: Bearer``, or Azure-style ``api-key``/``x-api-key``."""
+    authorization = headers.get("authorization", "")
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return headers.get("api-key") or headers.get("x-api-key") or None
 
 
 def _is_internal(name: str) -> bool:

@@ -196,6 +196,7 @@ class StackOptions:
     sim_args: tuple[str, ...] = ()
     log_level: str = "INFO"
     ready_timeout: float = 20.0
+    env: dict[str, str] = field(default_factory=dict)  # extra environment of the extproc workers (keys)
     # Last edit of the rendered Envoy config, given the pods' URLs (benchmarks add a direct listener).
     envoy_patch: Callable[[dict[str, Any], dict[str, list[str]]], None] | None = None
 
@@ -243,7 +244,7 @@ class LocalStack:
             self.group.spawn(f"extproc-{i + 1}", [
                 sys.executable, "-m", "extproc.server", "--config", str(config_path),
                 "--host", "127.0.0.1", "--port", str(extproc_port), "--log-level", opts.log_level,
-            ])
+            ], env=opts.env)
         for child in list(self.group.children[-workers:]):
             self.group.wait_ready_line(child, opts.ready_timeout)
 

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import grpc
 import orjson
@@ -22,7 +23,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.api import ApiError
-from extproc.config import GatewayConfig, load_config
+from extproc.config import ConfigError, GatewayConfig, load_config
 from extproc.decisions import PASS_THROUGH, Decision, Reply
 from extproc.gateway import Gateway, RequestState
 from extproc.observer import ResponseObservation
@@ -32,6 +33,7 @@ from extproc.wire import headers_to_dict, to_response
 
 log = logging.getLogger("llmgw.extproc")
 ENVOY_BUFFER_LIMIT = 32 * 1024 * 1024
+RELOAD_INTERVAL_S = 2.0
 access_log = logging.getLogger("llmgw.access")
 
 _INTERNAL_ERROR = ApiError(500, "The gateway failed to process the request; it was not forwarded.",
@@ -114,7 +116,7 @@ def _log_access(observation: ResponseObservation) -> None:
         access_log.info("%s", orjson.dumps(observation.record()).decode())
 
 
-def build_server(config: GatewayConfig) -> grpc.aio.Server:
+def build_server(config: GatewayConfig, gateway: Gateway | None = None) -> grpc.aio.Server:
     """A grpc.aio server carrying the servicer; messages as large as Envoy may buffer."""
     # At least what Envoy may buffer (per_connection_buffer_limit_bytes in envoy.yaml), so that an
     # oversize chunked body reaches the gateway and gets an OpenAI-style 413, not a gRPC error.
@@ -127,21 +129,46 @@ def build_server(config: GatewayConfig) -> grpc.aio.Server:
             ("grpc.max_concurrent_streams", 10000),
         ]
     )
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(Gateway(config, LeastInFlight())), server)
+    servicer = ExternalProcessor(gateway or Gateway(config, LeastInFlight()))
+    pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     return server
 
 
-async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[int], None]) -> None:
-    """Run until SIGTERM/SIGINT, then drain streams for up to 5 s."""
-    server = build_server(config)
+async def watch_config(path: Path, gateway: Gateway, interval: float = RELOAD_INTERVAL_S) -> None:
+    """Reload the config when its file changes (a revoked key stops working within ``interval``).
+
+    A file that no longer validates is refused with an error and the running snapshot is kept.
+    """
+    seen = path.stat().st_mtime_ns
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            mtime = path.stat().st_mtime_ns
+            if mtime == seen:
+                continue
+            seen = mtime
+            gateway.reload(load_config(path))
+            log.info("config reloaded from %s", path)
+        except (OSError, ConfigError) as error:
+            log.error("config reload refused, keeping the running config: %s", error)
+
+
+async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[int], None],
+                config_path: Path | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then drain streams for up to 5 s; reload ``config_path`` on change."""
+    gateway = Gateway(config, LeastInFlight())
+    server = build_server(config, gateway)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     ready(bound)
+    watcher = asyncio.create_task(watch_config(config_path, gateway)) if config_path else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if watcher is not None:
+        watcher.cancel()
     await server.stop(grace=5)
 
 
@@ -169,9 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(config, host, port, ready))
+        asyncio.run(serve(config, host, port, ready, Path(args.config)))
     else:
-        uvloop.run(serve(config, host, port, ready))
+        uvloop.run(serve(config, host, port, ready, Path(args.config)))
 
 
 if __name__ == "__main__":

@@ -11,10 +11,12 @@ import yaml
 from extproc.launcher import LocalStack, StackInfo, StackOptions, free_port
 
 MAX_BODY = 64 * 1024
+TENANT_KEY = "sk-e2e-tenant-key"
 E2E_CONFIG = {
     "server": {"max_body_bytes": MAX_BODY},
     "pools": [{"name": "local", "simulate": 2}],
     "models": [{"name": "llama-3-8b-instruct", "pool": "local", "aliases": ["gpt-4o-mini"]}],
+    "tenants": [{"name": "team-a", "keys": [{"env": "E2E_TENANT_KEY"}]}],
 }
 
 
@@ -31,7 +33,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
     config_path.write_text(yaml.safe_dump(E2E_CONFIG))
     options = StackOptions(
         config_path=config_path, run_dir=run_dir, port=free_port(), workers=2, envoy_concurrency=2,
-        sim_args=("--record", "200", "--seed", "1"), log_level="INFO",
+        sim_args=("--record", "200", "--seed", "1"), log_level="INFO", env={"E2E_TENANT_KEY": TENANT_KEY},
     )
     with LocalStack(options) as info:
         yield info

@@ -17,12 +17,6 @@ import yaml
 
 from extproc.launcher import free_port
 
-CONFIG = {
-    "pools": [{"name": "local", "simulate": 2}],
-    "models": [{"name": "llama-3-8b-instruct", "pool": "local", "aliases": ["gpt-4o-mini"]}],
-}
-
-
 def _children(pid: int) -> list[int]:
     """Direct children of a process (from /proc)."""
     found = []
@@ -45,16 +39,19 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
 @pytest.fixture
 def up(tmp_path: Path):  # noqa: ANN201
-    config = tmp_path / "llmgw.yaml"
-    config.write_text(yaml.safe_dump(CONFIG))
+    config = ROOT / "config" / "local.yaml"  # exactly what `make up` runs
     port = free_port()
     started = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "extproc.cli", "up", "--config", str(config), "--port", str(port),
          "--workers", "2", "--run-dir", str(tmp_path / "run")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={k: v for k, v in os.environ.items() if k != "LLMGW_DEV_KEY"},
     )
     lines = []
     assert proc.stdout is not None
@@ -79,7 +76,10 @@ def test_up_is_ready_answers_and_stops_cleanly(up) -> None:  # noqa: ANN001
     result = subprocess.run([sys.executable, "-c", example.group(1)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip(), result.stderr
     curl = re.search(r"(curl -sN .*?)\n\n", welcome, re.S)
-    assert curl is not None and "stream" in curl.group(1)
+    assert curl is not None and "stream" in curl.group(1) and "Authorization: Bearer sk-llmgw-" in curl.group(1)
+    wrong_key = example.group(1).replace('api_key="sk-llmgw-', 'api_key="sk-wrong-')
+    refused = subprocess.run([sys.executable, "-c", wrong_key], capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "AuthenticationError: Error code: 401" in refused.stderr
 
     children = _children(proc.pid)
     assert len(children) == 5  # two pods, two extproc workers, Envoy
@@ -90,8 +90,10 @@ def test_up_is_ready_answers_and_stops_cleanly(up) -> None:  # noqa: ANN001
 
 
 def test_up_reports_a_dead_child_and_exits_nonzero(up) -> None:  # noqa: ANN001
-    proc, port, _welcome, _ready = up
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    proc, port, welcome, _ready = up
+    key = re.search(r'api_key="([^"]+)"', welcome)
+    assert key is not None
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key.group(1), max_retries=0)
     assert client.models.list().data
     children = _children(proc.pid)
     pods = [pid for pid in children if "extproc.sim" in Path(f"/proc/{pid}/cmdline").read_text()]

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from extproc.launcher import StackInfo
-from tests.e2e.conftest import MAX_BODY
+from tests.e2e.conftest import MAX_BODY, TENANT_KEY
 
 MODEL = "llama-3-8b-instruct"
 ALIAS = "gpt-4o-mini"
@@ -20,12 +20,12 @@ HELLO = [{"role": "user", "content": "Say hello to the gateway."}]
 
 @pytest.fixture(scope="module")
 def client(stack: StackInfo) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="sk-tenant-key", max_retries=0, timeout=30)
+    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=TENANT_KEY, max_retries=0, timeout=30)
 
 
 @pytest.fixture(scope="module")
 def http(stack: StackInfo) -> httpx.Client:
-    with httpx.Client(base_url=stack.base_url, timeout=30) as client:
+    with httpx.Client(base_url=stack.base_url, timeout=30, headers={"authorization": f"Bearer {TENANT_KEY}"}) as client:
         yield client
 
 
@@ -43,6 +43,34 @@ def pod_request_with_id(stack: StackInfo, request_id: str) -> dict[str, object]:
         if headers.get("x-request-id") == request_id:
             return {**record, "headers": headers}
     raise AssertionError(f"no pod saw request {request_id}")
+
+
+@pytest.mark.parametrize(
+    ("headers", "path"),
+    [
+        ({}, "/v1/chat/completions"),  # no key at all
+        ({"authorization": "Bearer sk-not-a-key"}, "/v1/chat/completions"),  # unknown key
+        ({"authorization": f"Basic {TENANT_KEY}"}, "/v1/chat/completions"),  # not Bearer
+        ({}, "/v1/models"),  # listing models needs a key too
+    ],
+    ids=["missing", "unknown", "wrong-scheme", "models"],
+)
+def test_bad_keys_are_401(stack: StackInfo, headers: dict[str, str], path: str) -> None:
+    body = {"model": MODEL, "messages": HELLO}
+    method = "GET" if path == "/v1/models" else "POST"
+    response = httpx.request(method, f"{stack.base_url}{path}", json=body if method == "POST" else None,
+                             headers=headers, timeout=10)
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "invalid_api_key"
+    assert response.headers["www-authenticate"].startswith("Bearer")
+    assert TENANT_KEY not in response.text
+
+
+def test_openai_client_with_a_wrong_key(stack: StackInfo) -> None:
+    wrong = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as caught:
+        wrong.chat.completions.create(model=MODEL, messages=HELLO)
+    assert caught.value.code == "invalid_api_key"
 
 
 def test_models_list(client: openai.OpenAI) -> None:
@@ -117,12 +145,12 @@ def test_spoofed_internal_headers_are_ignored(stack: StackInfo, http: httpx.Clie
         "/v1/chat/completions",
         json={"model": MODEL, "messages": HELLO, "max_tokens": 2},
         headers={"x-request-id": request_id, "x-llmgw-route": "batch", "x-llmgw-tenant": "root",
-                 "x-gateway-destination-endpoint": "127.0.0.1:1", "authorization": "Bearer sk-tenant"},
+                 "x-gateway-destination-endpoint": "127.0.0.1:1", "x-api-key": TENANT_KEY},
     )
     assert response.status_code == 200, response.text  # routed by extproc, not to 127.0.0.1:1 or batch
     headers = pod_request_with_id(stack, request_id)["headers"]
-    assert "authorization" not in headers  # type: ignore[operator]  # the tenant's key never reaches a pod
-    assert "x-llmgw-tenant" not in headers  # type: ignore[operator]
+    assert "authorization" not in headers and "x-api-key" not in headers  # type: ignore[operator]  # keys stay here
+    assert headers["x-llmgw-tenant"] == "team-a"  # type: ignore[index]  # the real tenant, not the forged one
     assert headers["x-llmgw-route"] == "direct"  # type: ignore[index]
     assert headers["x-gateway-destination-endpoint"] in [  # type: ignore[index]
         u.removeprefix("http://") for u in stack.pod_urls["local"]]

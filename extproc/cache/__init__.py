@@ -1,0 +1,1 @@
+"""Guards and caches: Bloom filter against penetration, response cache (later)."""
