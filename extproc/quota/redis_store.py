@@ -1,0 +1,314 @@
+"""``RedisStore``: quotas shared by every replica, one atomic Lua script per call (one round trip).
+
+Keys of a tenant all carry the hash tag ``{tenant}``, so they live in one Redis Cluster slot and
+one script may touch them all. Per scope (``t`` for the tenant, ``q:<class>`` for a QoS class)::
+
+    llmgw:quota:{T}:<scope>:rq   HASH   bucket -> requests        (TTL 62 s after the last write)
+    llmgw:quota:{T}:<scope>:tk   HASH   bucket -> tokens          (TTL 62 s)
+    llmgw:quota:{T}:<scope>:ls   ZSET   lease id -> expiry ms     (TTL: the newest lease's)
+    llmgw:quota:{T}:<scope>:dy   HASH   UTC day -> tokens         (TTL 2 days)
+    llmgw:quota:{T}:open         HASH   lease id -> charged tokens (entries leave on release/expiry)
+
+The scripts read the time with ``TIME`` (Redis's clock, not the replicas'), purge what has expired
+(buckets that left the window, leases past their expiry: a dead worker's slot frees itself) and
+mirror ``extproc.quota.limits`` exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import replace
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis import exceptions as redis_errors
+
+from extproc.quota.limits import (
+    Admission, Decision, Figure, Lease, LimitKind, Quota, scopes_of,
+)
+from extproc.quota.store import StoreUnavailable, tag
+
+# Shared by the scripts: the clock and the window constants of extproc.quota.limits.
+_PRELUDE = """
+if redis.replicate_commands then pcall(redis.replicate_commands) end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local BUCKET, SPAN, DAY, WINDOW_TTL, DAY_TTL, CONC_RETRY = 1000, 61, 86400000, 62000, 172800000, 1000
+local b = math.floor(now / BUCKET)
+local oldest = b - SPAN + 1
+local today = math.floor(now / DAY)
+local function each_chunk(list, fn)  -- unpack() has a stack limit: pass long lists in chunks
+  for i = 1, #list, 1000 do fn(unpack(list, i, math.min(i + 999, #list))) end
+end
+"""
+
+# KEYS: open, then per scope rq, tk, ls, dy.  ARGV: lease id, reserve, lease ttl ms, then per scope
+# the four limits (rpm, tpm, concurrency, daily; -1 = none).
+# Reply: admitted, refused kind, refused scope (1-based), retry ms (-1 none, -2 never), now,
+# then per scope and kind: limit (-1 none), remaining, reset ms.
+ADMIT = _PRELUDE + """
+local lease, reserve, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local nscopes = (#KEYS - 1) / 4
+
+local dead = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now)
+each_chunk(dead, function(...) redis.call('HDEL', KEYS[1], ...) end)
+
+local function window(key)
+  local flat = redis.call('HGETALL', key)
+  local items, stale, used = {}, {}, 0
+  for i = 1, #flat, 2 do
+    local bucket, count = tonumber(flat[i]), tonumber(flat[i + 1])
+    if bucket < oldest then stale[#stale + 1] = flat[i]
+    else items[#items + 1] = {bucket, count}; used = used + count end
+  end
+  each_chunk(stale, function(...) redis.call('HDEL', key, ...) end)
+  table.sort(items, function(x, y) return x[1] < y[1] end)
+  return items, used
+end
+
+-- returns fits, used, retry (-1 none, -2 never), reset
+local function check_window(items, used, limit, need)
+  local newest = nil
+  for _, item in ipairs(items) do if item[2] ~= 0 then newest = item[1] end end
+  if used + need <= limit then
+    local last = newest
+    if need > 0 then last = b end
+    if last == nil then return true, used, -1, 0 end
+    return true, used, -1, (last + SPAN) * BUCKET - now
+  end
+  local reset = 0
+  if newest ~= nil then reset = (newest + SPAN) * BUCKET - now end
+  if need > limit then return false, used, -2, reset end
+  local freed = 0
+  for _, item in ipairs(items) do
+    freed = freed + item[2]
+    if used - freed + need <= limit then return false, used, (item[1] + SPAN) * BUCKET - now, reset end
+  end
+  return false, used, -2, reset
+end
+
+local reply = {1, -1, -1, -1, now}
+local needs = {}  -- reply index of a remaining figure -> what this admission takes of it
+local best = nil  -- the refusal with the longest wait (never = infinite)
+for s = 1, nscopes do
+  local rq, tk, ls, dy = KEYS[4 * s - 2], KEYS[4 * s - 1], KEYS[4 * s], KEYS[4 * s + 1]
+  local rq_items, rq_used = window(rq)
+  local tk_items, tk_used = window(tk)
+  redis.call('ZREMRANGEBYSCORE', ls, '-inf', now)
+  local live = redis.call('ZCARD', ls)
+  local days = redis.call('HKEYS', dy)
+  for _, day in ipairs(days) do
+    if tonumber(day) < today - 1 then redis.call('HDEL', dy, day) end
+  end
+  local day_used = tonumber(redis.call('HGET', dy, today) or '0')
+  for kind = 0, 3 do
+    local limit = tonumber(ARGV[3 + 4 * (s - 1) + kind + 1])
+    local fits, used, retry, reset, need = true, 0, -1, 0, 0
+    if limit >= 0 then
+      if kind == 0 then
+        need = 1
+        fits, used, retry, reset = check_window(rq_items, rq_used, limit, 1)
+      elseif kind == 1 then
+        need = reserve
+        fits, used, retry, reset = check_window(tk_items, tk_used, limit, reserve)
+      elseif kind == 2 then
+        need, used = 1, live
+        fits = live + 1 <= limit
+        if not fits and limit > 0 then retry = CONC_RETRY elseif not fits then retry = -2 end
+      else
+        need, used, reset = reserve, day_used, (today + 1) * DAY - now
+        fits = day_used + reserve <= limit
+        if not fits then
+          if reserve > limit then retry = -2 else retry = reset end
+        end
+      end
+      -- remaining is limit - used for now; the need is taken off below once all limits agreed
+      reply[#reply + 1] = limit; reply[#reply + 1] = limit - used; reply[#reply + 1] = reset
+      needs[#reply - 1] = need
+      if not fits then
+        local wait = retry
+        if retry == -2 then wait = math.huge end
+        if best == nil or wait > best then
+          best = wait
+          reply[1], reply[2], reply[3], reply[4] = 0, kind, s, retry
+        end
+      end
+    else
+      reply[#reply + 1] = -1; reply[#reply + 1] = 0; reply[#reply + 1] = 0
+    end
+  end
+end
+for i = 6, #reply, 3 do
+  if reply[i] >= 0 then
+    if reply[1] == 1 then reply[i + 1] = reply[i + 1] - needs[i + 1] end
+    if reply[i + 1] < 0 then reply[i + 1] = 0 end
+  end
+end
+if reply[1] == 0 then return reply end
+
+local expires = now + ttl
+for s = 1, nscopes do
+  local rq, tk, ls, dy = KEYS[4 * s - 2], KEYS[4 * s - 1], KEYS[4 * s], KEYS[4 * s + 1]
+  redis.call('HINCRBY', rq, b, 1)
+  redis.call('PEXPIRE', rq, WINDOW_TTL)
+  if reserve > 0 then
+    redis.call('HINCRBY', tk, b, reserve)
+    redis.call('PEXPIRE', tk, WINDOW_TTL)
+  end
+  redis.call('HINCRBY', dy, today, reserve)
+  redis.call('PEXPIRE', dy, DAY_TTL)
+  redis.call('ZADD', ls, expires, lease)
+  redis.call('PEXPIRE', ls, ttl)
+end
+redis.call('HSET', KEYS[1], lease, reserve)
+redis.call('PEXPIRE', KEYS[1], ttl)
+return reply
+"""
+
+# KEYS: open, then per scope tk, ls, dy.  ARGV: lease id, actual (-1 = none), admitted ms, free (0/1).
+# Reply: 1 if the lease was open.
+SETTLE = _PRELUDE + """
+local lease, actual, admitted, free = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4] == '1'
+local nscopes = (#KEYS - 1) / 3
+local charged = redis.call('HGET', KEYS[1], lease)
+if charged and actual >= 0 and actual ~= tonumber(charged) then
+  local delta = actual - tonumber(charged)
+  local bucket = math.floor(admitted / BUCKET)
+  if bucket < oldest then
+    if delta > 0 then bucket = b else bucket = nil end
+  end
+  local day = math.floor(admitted / DAY)
+  for s = 1, nscopes do
+    local tk, dy = KEYS[3 * s - 1], KEYS[3 * s + 1]
+    if bucket ~= nil then
+      redis.call('HINCRBY', tk, bucket, delta)
+      redis.call('PEXPIRE', tk, WINDOW_TTL)
+    end
+    if delta > 0 or redis.call('HEXISTS', dy, day) == 1 then
+      redis.call('HINCRBY', dy, day, delta)
+      redis.call('PEXPIRE', dy, DAY_TTL)
+    end
+  end
+  redis.call('HSET', KEYS[1], lease, actual)
+end
+if free then
+  redis.call('HDEL', KEYS[1], lease)
+  for s = 1, nscopes do redis.call('ZREM', KEYS[3 * s], lease) end
+end
+if charged then return 1 end
+return 0
+"""
+
+# KEYS: open, then per scope ls.  ARGV: lease id, ttl ms.  Reply: the new expiry, or 0 if expired.
+RENEW = _PRELUDE + """
+local lease, ttl = ARGV[1], tonumber(ARGV[2])
+local expiry = redis.call('ZSCORE', KEYS[2], lease)
+if not expiry or tonumber(expiry) <= now then return 0 end
+local expires = now + ttl
+for s = 2, #KEYS do
+  redis.call('ZADD', KEYS[s], 'XX', expires, lease)
+  redis.call('PEXPIRE', KEYS[s], ttl)
+end
+redis.call('PEXPIRE', KEYS[1], ttl)
+return expires
+"""
+
+# What an outage looks like from redis-py: we answer StoreUnavailable (503 or local fallback).
+OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
+    redis_errors.ConnectionError, redis_errors.TimeoutError, redis_errors.ClusterDownError,
+    redis_errors.TryAgainError, ConnectionError, TimeoutError,
+)
+
+
+class RedisStore:
+    """The shared quota store: every admission, reconciliation and release is one EVALSHA."""
+
+    name = "redis"
+
+    def __init__(self, client: aioredis.Redis, *, lease_ttl_s: float = 60.0, prefix: str = "llmgw:quota") -> None:
+        self.client = client
+        self.lease_ttl_ms = int(lease_ttl_s * 1000)
+        self.prefix = prefix
+        self._sha = {script: hashlib.sha1(script.encode()).hexdigest() for script in (ADMIT, SETTLE, RENEW)}
+
+    @classmethod
+    def from_url(cls, url: str, *, timeout_s: float = 0.5, max_connections: int = 32,
+                 lease_ttl_s: float = 60.0) -> RedisStore:
+        """A store on ``redis://host:port/db``; a call that takes over ``timeout_s`` is an outage.
+
+        Calls beyond ``max_connections`` wait (up to ``timeout_s``) for a free connection.
+        """
+        # One immediate retry on a broken connection (a pooled socket that a Redis restart closed);
+        # none on a timeout, where the script may have run: a retry would charge the request twice.
+        retry = Retry(NoBackoff(), 1, supported_errors=(redis_errors.ConnectionError,))
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s, retry=retry)
+        return cls(aioredis.Redis.from_pool(pool), lease_ttl_s=lease_ttl_s)  # the client owns and closes the pool
+
+    def _keys(self, tenant: str, qos: str, suffixes: Sequence[str]) -> list[str]:
+        base = f"{self.prefix}:{{{tag(tenant)}}}"
+        keys = [f"{base}:open"]
+        for scope in ("t", f"q:{tag(qos)}") if qos else ("t",):
+            keys += [f"{base}:{scope}:{suffix}" for suffix in suffixes]
+        return keys
+
+    async def _run(self, script: str, keys: list[str], args: list[str | int]) -> object:
+        sha = self._sha[script]
+        try:
+            try:
+                return await self.client.evalsha(sha, len(keys), *keys, *args)
+            except redis_errors.NoScriptError:
+                # After a restart, failover or SCRIPT FLUSH the server has forgotten the script.
+                await self.client.script_load(script)
+                return await self.client.evalsha(sha, len(keys), *keys, *args)
+        except OUTAGE_ERRORS as error:
+            raise StoreUnavailable(f"redis: {type(error).__name__}: {error}") from error
+
+    async def admit(self, admission: Admission, quota: Quota) -> Decision:
+        """See ``QuotaStore.admit``."""
+        scopes = scopes_of(quota, admission.qos)
+        args: list[str | int] = [admission.lease_id, admission.reserve_tokens, self.lease_ttl_ms]
+        for _, limits in scopes:
+            args += [-1 if limit is None else limit for limit in limits.as_tuple()]
+        reply = await self._run(ADMIT, self._keys(admission.tenant, admission.qos, ("rq", "tk", "ls", "dy")), args)
+        assert isinstance(reply, list)
+        admitted, kind, scope, retry, now, *raw = (int(value) for value in reply)
+        figures = []
+        for index, (scope_name, _) in enumerate(scopes):
+            for limit_kind in LimitKind:
+                limit, remaining, reset = raw[3 * (4 * index + limit_kind): 3 * (4 * index + limit_kind) + 3]
+                if limit >= 0:
+                    figures.append(Figure(scope_name, limit_kind, limit, remaining, reset))
+        if not admitted:
+            return Decision(False, tuple(figures), LimitKind(kind), scopes[scope - 1][0],
+                            None if retry < 0 else retry)
+        lease = Lease(admission.tenant, admission.qos, admission.lease_id, admission.reserve_tokens,
+                      now, now + self.lease_ttl_ms, self.name)
+        return Decision(True, tuple(figures), lease=lease)
+
+    async def _settle(self, lease: Lease, actual_tokens: int | None, free: bool) -> None:
+        args: list[str | int] = [lease.lease_id, -1 if actual_tokens is None else actual_tokens,
+                                 lease.admitted_ms, int(free)]
+        await self._run(SETTLE, self._keys(lease.tenant, lease.qos, ("tk", "ls", "dy")), args)
+
+    async def reconcile(self, lease: Lease, actual_tokens: int) -> None:
+        """See ``QuotaStore.reconcile``."""
+        await self._settle(lease, actual_tokens, free=False)
+
+    async def release(self, lease: Lease, actual_tokens: int | None = None) -> None:
+        """See ``QuotaStore.release``."""
+        await self._settle(lease, actual_tokens, free=True)
+
+    async def renew(self, lease: Lease) -> Lease | None:
+        """See ``QuotaStore.renew``."""
+        expires = await self._run(RENEW, self._keys(lease.tenant, lease.qos, ("ls",)),
+                                  [lease.lease_id, self.lease_ttl_ms])
+        assert isinstance(expires, int)
+        return replace(lease, expires_ms=expires) if expires else None
+
+    async def close(self) -> None:
+        """See ``QuotaStore.close``."""
+        await self.client.aclose()

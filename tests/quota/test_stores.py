@@ -1,0 +1,231 @@
+"""Both stores, the same behaviour: MemoryStore on a shared file, RedisStore on a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from redis.crc import key_slot
+
+from extproc.quota.limits import DAY_MS, Admission, Lease, LimitKind, Limits, Quota
+from extproc.quota.redis_store import RedisStore
+from extproc.quota.store import QuotaStore
+from tests.quota.conftest import RedisServer
+from tests.quota.workers import Job, open_store, run_processes
+
+MakeStore = Callable[..., QuotaStore]
+
+
+@pytest.fixture(params=["memory", "redis"])
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Where the store under test keeps its state: a SQLite file, or the shared Redis."""
+    if request.param == "memory":
+        return str(tmp_path / "quota.sqlite")
+    server: RedisServer = request.getfixturevalue("redis_server")
+    return server.url
+
+
+@pytest.fixture
+async def make_store(target: str) -> AsyncIterator[MakeStore]:
+    """Opens stores on ``target`` (several may share it, like worker processes); closes them after."""
+    stores: list[QuotaStore] = []
+
+    def make(lease_ttl_s: float = 60.0) -> QuotaStore:
+        stores.append(open_store(target, lease_ttl_s))
+        return stores[-1]
+
+    yield make
+    for store in stores:
+        await store.close()
+
+
+@pytest.fixture
+def tenant() -> str:
+    """A tenant of the test's own, with braces that must not break the Redis Cluster hash tag."""
+    return f"}}t{{-{uuid.uuid4().hex[:8]}"
+
+
+def ask(tenant: str, tokens: int = 0, qos: str = "") -> Admission:
+    """An admission with a fresh lease id."""
+    return Admission(tenant, uuid.uuid4().hex, tokens, qos)
+
+
+async def admit_all(store: QuotaStore, tenant: str, quota: Quota, tokens: list[int], qos: str = "") -> list[Lease]:
+    """Admit one request per entry of ``tokens`` in order; the leases of those admitted."""
+    leases = []
+    for count in tokens:
+        decision = await store.admit(ask(tenant, count, qos), quota)
+        if decision.lease is not None:
+            leases.append(decision.lease)
+    return leases
+
+
+async def test_rpm_then_refusal_with_headers(make_store: MakeStore, tenant: str) -> None:
+    store = make_store()
+    quota = Quota(Limits(rpm=3))
+    assert len(await admit_all(store, tenant, quota, [0] * 5)) == 3  # exactly the limit
+    decision = await store.admit(ask(tenant), quota)
+    assert (decision.admitted, decision.refused_by, decision.refused_scope) == (False, LimitKind.REQUESTS, "tenant")
+    assert decision.retry_after_ms is not None and 59_000 <= decision.retry_after_ms <= 61_000  # the window
+    headers = dict(decision.headers())
+    assert (headers["x-ratelimit-limit-requests"], headers["x-ratelimit-remaining-requests"]) == ("3", "0")
+    assert headers["retry-after"] in {"60", "61"}
+
+
+async def test_tpm_and_a_request_too_large(make_store: MakeStore, tenant: str) -> None:
+    store = make_store()
+    quota = Quota(Limits(tpm=1000))
+    assert len(await admit_all(store, tenant, quota, [300, 300, 300, 300])) == 3  # the 4th would make 1200
+    decision = await store.admit(ask(tenant, 100), quota)
+    assert decision.admitted and decision.tightest(LimitKind.TOKENS).remaining == 0  # 100 fits exactly
+    too_large = await store.admit(ask(tenant, 1001), quota)
+    assert (too_large.refused_by, too_large.retry_after_ms) == (LimitKind.TOKENS, None)  # waiting cannot help
+
+
+async def test_concurrency_leases_release_and_expire(make_store: MakeStore, tenant: str) -> None:
+    store = make_store(lease_ttl_s=0.4)
+    quota = Quota(Limits(concurrency=2))
+    first, second = await admit_all(store, tenant, quota, [0, 0])
+    refused = await store.admit(ask(tenant), quota)
+    assert (refused.refused_by, refused.retry_after_ms) == (LimitKind.CONCURRENCY, 1000)
+    await store.release(first)
+    third = (await store.admit(ask(tenant), quota)).lease
+    assert third is not None  # the released slot is free again
+    await store.release(first)  # a second release changes nothing
+    assert not (await store.admit(ask(tenant), quota)).admitted
+    await asyncio.sleep(0.45)  # nobody released `second` or `third` (their worker "died"): they expire
+    assert len(await admit_all(store, tenant, quota, [0, 0, 0])) == 2
+    assert await store.renew(second) is None  # expired leases cannot be renewed
+
+
+async def test_renew_keeps_a_long_stream_alive(make_store: MakeStore, tenant: str) -> None:
+    store = make_store(lease_ttl_s=0.4)
+    quota = Quota(Limits(concurrency=1))
+    lease = (await store.admit(ask(tenant), quota)).lease
+    assert lease is not None
+    for _ in range(3):  # 0.75 s in all, longer than the TTL
+        await asyncio.sleep(0.25)
+        renewed = await store.renew(lease)
+        assert renewed is not None and renewed.expires_ms > lease.expires_ms
+        lease = renewed
+    assert not (await store.admit(ask(tenant), quota)).admitted  # still held
+    await store.release(lease)
+    assert (await store.admit(ask(tenant), quota)).admitted
+
+
+async def test_reconcile_moves_counters_to_actual_usage(make_store: MakeStore, tenant: str) -> None:
+    store = make_store()
+    quota = Quota(Limits(tpm=1000, daily_tokens=5000))
+    (lease,) = await admit_all(store, tenant, quota, [600])
+    assert not (await store.admit(ask(tenant, 600), quota)).admitted  # 600 + 600 > 1000
+    await store.reconcile(lease, 100)
+    await store.reconcile(lease, 100)  # idempotent: the charge is set, not added to
+    decision = await store.admit(ask(tenant, 600), quota)
+    assert decision.admitted and decision.tightest(LimitKind.TOKENS).remaining == 300  # 1000 - 100 - 600
+    await store.release(lease, 400)  # the final usage: +300 more
+    figures = (await store.admit(ask(tenant, 0), quota)).figures
+    remaining = {figure.kind: figure.remaining for figure in figures}
+    assert remaining == {LimitKind.TOKENS: 0, LimitKind.DAILY_TOKENS: 4000}  # 1000 - 400 - 600; 5000 - 1000
+    await store.reconcile(lease, 0)  # after release: a no-op
+    remaining = {f.kind: f.remaining for f in (await store.admit(ask(tenant, 0), quota)).figures}
+    assert remaining[LimitKind.TOKENS] == 0
+
+
+async def test_daily_budget(make_store: MakeStore, tenant: str) -> None:
+    store = make_store()
+    quota = Quota(Limits(daily_tokens=1000))
+    (lease,) = await admit_all(store, tenant, quota, [600])
+    refused = await store.admit(ask(tenant, 600), quota)
+    assert refused.refused_by is LimitKind.DAILY_TOKENS
+    assert refused.retry_after_ms is not None and 0 < refused.retry_after_ms <= DAY_MS  # until midnight UTC
+    await store.release(lease, 300)
+    assert (await store.admit(ask(tenant, 600), quota)).admitted  # 300 + 600 <= 1000
+
+
+async def test_qos_class_has_its_own_limits(make_store: MakeStore, tenant: str) -> None:
+    store = make_store()
+    quota = Quota(tenant=Limits(rpm=5), qos=Limits(rpm=2))
+    assert len(await admit_all(store, tenant, quota, [0] * 3, qos="batch")) == 2  # the class's limit
+    refused = await store.admit(ask(tenant, qos="batch"), quota)
+    assert (refused.refused_scope, refused.refused_by) == ("qos", LimitKind.REQUESTS)
+    interactive = Quota(tenant=Limits(rpm=5), qos=Limits(rpm=10))  # each class has its own Quota
+    assert len(await admit_all(store, tenant, interactive, [0] * 5, qos="interactive")) == 3  # the tenant's 5 - 2
+    assert not (await store.admit(ask(tenant), interactive)).admitted  # no class: the tenant limit alone
+
+
+async def test_two_stores_share_one_state(make_store: MakeStore, tenant: str) -> None:
+    quota = Quota(Limits(rpm=4))
+    one, two = make_store(), make_store()
+    results = await asyncio.gather(*(store.admit(ask(tenant), quota) for store in (one, two) * 4))
+    assert sum(decision.admitted for decision in results) == 4  # one limit, not one per store
+
+
+@pytest.mark.timeout(60)
+def test_rpm_exact_across_processes(target: str) -> None:
+    tenant = f"mp-{uuid.uuid4().hex[:8]}"
+    jobs = [Job(target, tenant, Quota(Limits(rpm=100)), requests=125, seed=seed) for seed in range(4)]
+    admitted = sum(result >= 0 for results in run_processes(jobs) for result in results)
+    assert admitted == 100  # 500 concurrent requests from 4 processes, rpm=100
+
+
+@pytest.mark.timeout(60)
+def test_tpm_within_one_request_across_processes(target: str) -> None:
+    tenant = f"mp-{uuid.uuid4().hex[:8]}"
+    tpm, max_reserve = 20_000, 200
+    jobs = [Job(target, tenant, Quota(Limits(tpm=tpm)), requests=100, seed=seed, max_reserve=max_reserve)
+            for seed in range(4)]
+    tokens = sum(result for results in run_processes(jobs) for result in results if result > 0)
+    assert tpm - max_reserve < tokens <= tpm  # 400 requests of 1-200 tokens: within one request of the limit
+
+
+@pytest.mark.timeout(60)
+def test_no_leaked_lease_across_processes(target: str) -> None:
+    tenant = f"mp-{uuid.uuid4().hex[:8]}"
+    quota = Quota(Limits(concurrency=20))
+    jobs = [Job(target, tenant, quota, requests=100, seed=seed, hold_s=0.005) for seed in range(4)]
+    admitted = sum(result >= 0 for results in run_processes(jobs) for result in results)
+    assert admitted >= 20  # at least the first wave
+
+    async def free_slots() -> int:
+        store = open_store(target)
+        try:
+            return len(await admit_all(store, tenant, quota, [0] * 21))
+        finally:
+            await store.close()
+
+    assert asyncio.run(free_slots()) == 20  # every lease was released: all 20 slots free again
+
+
+async def test_noscript_recovery(redis_server: RedisServer, tenant: str) -> None:
+    store = RedisStore.from_url(redis_server.url)
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        quota = Quota(Limits(rpm=3))
+        assert len(await admit_all(store, tenant, quota, [0, 0])) == 2
+        await admin.script_flush()  # as after a restart or failover
+        assert len(await admit_all(store, tenant, quota, [0, 0])) == 1  # reloaded; the count went on
+    finally:
+        await store.close()
+        await admin.aclose()
+
+
+async def test_redis_keys_are_hash_tagged_and_expire(redis_server: RedisServer, tenant: str) -> None:
+    store = RedisStore.from_url(redis_server.url)
+    admin = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        await store.admit(ask(tenant, 10, qos="batch"), Quota(Limits(rpm=5), Limits(rpm=5)))
+        keys = await admin.keys(f"llmgw:quota:{{{tenant.replace('{', '%7B').replace('}', '%7D')}}}:*")
+        assert len(keys) == 9  # open + 4 per scope, two scopes
+        slots = {key_slot(key.encode()) for key in keys}
+        assert len(slots) == 1  # one Redis Cluster slot: one script may touch them all
+        ttls = [await admin.pttl(key) for key in keys]
+        assert all(ttl > 0 for ttl in ttls)  # nothing lives forever
+    finally:
+        await store.close()
+        await admin.aclose()
+
+
