@@ -83,9 +83,11 @@ class CountingRules:
     def __post_init__(self) -> None:
         get_template(self.template)  # an unknown name fails here, at config compile time
         if not (self.image_tokens == "openai-tiles" or _count(self.image_tokens)):
-            raise ValueError(f"image_tokens: expected 'openai-tiles' or a count >= 0, got {self.image_tokens!r}")
+            raise ValueError(f"image_tokens: expected 'openai-tiles' or a count >= 0, "
+                             f"got {self.image_tokens!r}")
         if not (self.audio_tokens == "duration" or _count(self.audio_tokens)):
-            raise ValueError(f"audio_tokens: expected 'duration' or a count >= 0, got {self.audio_tokens!r}")
+            raise ValueError(f"audio_tokens: expected 'duration' or a count >= 0, "
+                             f"got {self.audio_tokens!r}")
         if not self.audio_tokens_per_second > 0:
             raise ValueError("audio_tokens_per_second must be positive")
 
@@ -224,8 +226,9 @@ class FallbackEstimator:
     casual chat within a few percent; English prose over by about 30% (that vocabulary packs
     about 5 characters per token); code, JSON and emoji under by 10-40%, digit strings by up to
     50% (digits are split in groups of three); CJK over by up to about 80% (about 1.7 characters
-    per token there). ChatML's markers: 8 by the heuristic where that BPE takes 14. Meant for quota reservations that
-    are reconciled with the server's reported usage afterwards, never for billing.
+    per token there). ChatML's markers: 8 by the heuristic where that BPE takes 14. Meant for
+    quota reservations that are reconciled with the server's reported usage afterwards, never
+    for billing.
     """
 
     def __init__(self, rules: CountingRules = CountingRules()) -> None:

@@ -98,12 +98,14 @@ def webp_vp8(width: int, height: int) -> bytes:
 
 def webp_vp8l(width: int, height: int) -> bytes:
     bits = (width - 1) | (height - 1) << 14
-    return b"RIFF" + struct.pack("<I", 30) + b"WEBPVP8L" + struct.pack("<I", 5) + b"\x2f" + struct.pack("<I", bits) + b"\x00" * 6
+    lossless = b"\x2f" + struct.pack("<I", bits)
+    return b"RIFF" + struct.pack("<I", 30) + b"WEBPVP8L" + struct.pack("<I", 5) + lossless + b"\x00" * 6
 
 
 def webp_vp8x(width: int, height: int) -> bytes:
     canvas = (width - 1).to_bytes(3, "little") + (height - 1).to_bytes(3, "little")
-    return b"RIFF" + struct.pack("<I", 30) + b"WEBPVP8X" + struct.pack("<I", 10) + b"\x00" * 4 + canvas + b"\x00" * 4
+    flags = b"\x00" * 4
+    return b"RIFF" + struct.pack("<I", 30) + b"WEBPVP8X" + struct.pack("<I", 10) + flags + canvas + b"\x00" * 4
 
 
 def jpeg(width: int, height: int, *, exif_bytes: int = 0, fill: bool = False) -> bytes:
@@ -351,8 +353,8 @@ FALLBACK_SAMPLES = [
                  0.35, id="prose: over"),
     pytest.param('{"type":"object","properties":{"city":{"type":"string","description":"City"},'
                  '"unit":{"type":"string","enum":["c","f"]}},"required":["city"]}', 0.40, id="json: under"),
-    pytest.param("大模型API网关已成为企业级AI基础设施的核心组件承担请求路由、鉴权限流、协议转换。", 0.80,
-                 id="cjk: over"),
+    pytest.param("大模型API网关已成为企业级AI基础设施的核心组件承担请求路由、鉴权限流、协议转换。",
+                 0.80, id="cjk: over"),
     pytest.param("Order 12345678 shipped 2024-05-17 13:45:09, total $1,234.56.", 0.50, id="digits: under"),
 ]
 
@@ -392,7 +394,8 @@ ACCURACY_CASES = [
                   {"role": "user", "content": "And times 3?"}], {}, id="multi-turn"),
     pytest.param([{"role": "system", "content": "You are terse.  "},
                   {"role": "developer", "content": "\n\nAnswer in French.\n"},
-                  {"role": "user", "content": "  leading and trailing spaces  "}], {}, id="system + developer"),
+                  {"role": "user", "content": "  leading and trailing spaces  "}], {},
+                 id="system + developer"),
     pytest.param([{"role": "user", "content": "Weather in Paris?"},
                   {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
@@ -416,22 +419,34 @@ ACCURACY_CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def merged_estimator(tokenizer: Tokenizer) -> BpeEstimator:
+    """The path taken for a tokenizer that may merge tokens across turns: the whole prompt at once."""
+    estimator = BpeEstimator(tokenizer, SIM_POD_RULES)
+    estimator.turnwise = False
+    return estimator
+
+
+@pytest.mark.parametrize("turnwise", [True, False], ids=["turn by turn", "whole prompt"])
 @pytest.mark.parametrize(("messages", "fields"), ACCURACY_CASES)
 async def test_chat_estimate_matches_pod_usage(pod: TestClient, pod_estimator: BpeEstimator,
+                                               merged_estimator: BpeEstimator, turnwise: bool,
                                                messages: list[dict[str, Any]], fields: dict[str, Any]) -> None:
     body = {"model": DEFAULT_MODEL, "messages": messages, "max_tokens": 1, **fields}
     response = await pod.post("/v1/chat/completions", data=orjson.dumps(body),
                               headers={"content-type": "application/json"})
     assert response.status == 200, await response.text()
     usage = (await response.json())["usage"]
-    estimate = pod_estimator.estimate(parse_request(Operation.CHAT, orjson.dumps(body)))
+    estimator = pod_estimator if turnwise else merged_estimator
+    estimate = estimator.estimate(parse_request(Operation.CHAT, orjson.dumps(body)))
     assert estimate.total == usage["prompt_tokens"]  # exact, not merely within 2%
 
 
 @pytest.mark.parametrize(
     ("path", "operation", "fields"),
     [
-        pytest.param("/v1/completions", Operation.COMPLETIONS, {"prompt": LONG_TEXT[:3000]}, id="completion text"),
+        pytest.param("/v1/completions", Operation.COMPLETIONS, {"prompt": LONG_TEXT[:3000]},
+                     id="completion text"),
         pytest.param("/v1/completions", Operation.COMPLETIONS, {"prompt": ["a b", "c d e"], "n": 2},
                      id="completion prompts"),
         pytest.param("/v1/embeddings", Operation.EMBEDDINGS, {"input": ["Hello", LONG_TEXT[:500]]},
@@ -445,4 +460,5 @@ async def test_prompt_estimate_matches_pod_usage(pod: TestClient, pod_estimator:
     response = await pod.post(path, data=orjson.dumps(body), headers={"content-type": "application/json"})
     assert response.status == 200, await response.text()
     usage = (await response.json())["usage"]
-    assert pod_estimator.estimate(parse_request(operation, orjson.dumps(body))).total == usage["prompt_tokens"]
+    estimate = pod_estimator.estimate(parse_request(operation, orjson.dumps(body)))
+    assert estimate.total == usage["prompt_tokens"]
