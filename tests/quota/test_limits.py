@@ -5,8 +5,22 @@ from __future__ import annotations
 import pytest
 
 from extproc.quota.limits import (
-    Admission, Check, Decision, Figure, LimitKind, Limits, Quota, ScopeState, check_day, check_leases, check_window,
-    decide, format_duration, live, scopes_of, settle_bucket,
+    Admission,
+    Check,
+    Decision,
+    Figure,
+    LimitKind,
+    Limits,
+    Quota,
+    ScopeState,
+    check_day,
+    check_leases,
+    check_window,
+    decide,
+    format_duration,
+    live,
+    scopes_of,
+    settle_bucket,
 )
 
 NOW = 1_000_000_500  # ms: half-way through bucket 1_000_000
