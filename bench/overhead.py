@@ -24,6 +24,7 @@ import yaml
 from rich.progress import Progress
 
 from bench.common import RESULTS, build_request, emit, median, process_cpu_seconds, run_load
+from extproc import envoyconf
 from extproc.launcher import LocalStack, ProcessGroup, StackOptions, free_port
 
 MODEL = "llama-3-8b-instruct"
@@ -70,12 +71,11 @@ def add_bench_listeners(direct_port: int, null_port: int, null_extproc_port: int
             hcm["route_config"]["virtual_hosts"][0]["routes"] = [
                 {"match": {"prefix": "/"}, "route": {"cluster": "bench_pod", "timeout": "0s"}}]
             resources["listeners"].append(listener)
-        extproc = next(c for c in resources["clusters"] if c["name"] == "llmgw_extproc")
+        extproc = next(c for c in resources["clusters"] if c["name"] == envoyconf.EXTPROC_CLUSTER)
         null = copy.deepcopy(extproc)
         null["name"] = null["load_assignment"]["cluster_name"] = "bench_null_extproc"
-        null["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"] = {
-            "socket_address": {"address": "127.0.0.1", "port_value": null_extproc_port}}
         resources["clusters"].append(null)
+        envoyconf.set_cluster_address(config, "bench_null_extproc", "127.0.0.1", null_extproc_port)
         resources["clusters"].append({
             "name": "bench_pod", "type": "STATIC", "connect_timeout": "2s",
             "load_assignment": {"cluster_name": "bench_pod", "endpoints": [{"lb_endpoints": [{"endpoint": {

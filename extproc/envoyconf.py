@@ -49,7 +49,9 @@ def _socket(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
-def _set_cluster_address(cluster: dict[str, Any], host: str, port: int) -> None:
+def set_cluster_address(config: dict[str, Any], cluster_name: str, host: str, port: int) -> None:
+    """Point the (single-endpoint) static cluster ``cluster_name`` at ``host:port``."""
+    cluster = _named(config["static_resources"]["clusters"], cluster_name, "cluster")
     endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
     endpoint["address"] = _socket(host, port)
 
@@ -73,9 +75,9 @@ def render(
     address["port_value"] = listen_port
     if listen_host is not None:
         address["address"] = listen_host
-    _set_cluster_address(_named(resources["clusters"], EXTPROC_CLUSTER, "cluster"), extproc_host, extproc_port)
+    set_cluster_address(config, EXTPROC_CLUSTER, extproc_host, extproc_port)
     if coordinator is not None:
-        _set_cluster_address(_named(resources["clusters"], COORDINATOR_CLUSTER, "cluster"), *coordinator)
+        set_cluster_address(config, COORDINATOR_CLUSTER, *coordinator)
     return config
 
 

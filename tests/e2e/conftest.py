@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from extproc.launcher import LocalStack, StackInfo, StackOptions, free_port
 
+MODEL = "llama-3-8b-instruct"
 MAX_BODY = 64 * 1024
 TENANT_KEY = "sk-e2e-tenant-key"
 E2E_CONFIG = {
@@ -24,6 +26,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "/e2e/" in str(item.fspath):
             item.add_marker(pytest.mark.e2e)
+
+
+def small_stack(tmp_path_factory: pytest.TempPathFactory, name: str, pods: int, **options: Any) -> LocalStack:
+    """A stack with one pool of simulated pods, one extproc process and one Envoy worker, so that
+    every request meets the same picker; start it with ``with``."""
+    run_dir = Path(tmp_path_factory.mktemp(name))
+    config = run_dir / "llmgw.yaml"
+    config.write_text(yaml.safe_dump({"pools": [{"name": "local", "simulate": pods}],
+                                      "models": [{"name": MODEL, "pool": "local"}]}))
+    return LocalStack(StackOptions(config_path=config, run_dir=run_dir, port=free_port(), workers=1,
+                                   envoy_concurrency=1, log_level="WARNING", **options))
 
 
 @pytest.fixture(scope="session")

@@ -3,38 +3,28 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import yaml
 
-from extproc.launcher import LocalStack, StackInfo, StackOptions, free_port
-
-MODEL = "llama-3-8b-instruct"
+from extproc import envoyconf
+from extproc.launcher import StackInfo, free_port
+from tests.e2e.conftest import MODEL, small_stack
 
 
 def _point_extproc_at(port: int) -> Any:
     def patch(config: dict[str, Any], pod_urls: dict[str, list[str]]) -> None:
-        for cluster in config["static_resources"]["clusters"]:
-            if cluster["name"] == "llmgw_extproc":
-                endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
-                endpoint["address"]["socket_address"]["port_value"] = port
+        envoyconf.set_cluster_address(config, envoyconf.EXTPROC_CLUSTER, "127.0.0.1", port)
 
     return patch
 
 
 @pytest.fixture(scope="module")
 def stack_without_extproc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
-    run_dir = Path(tmp_path_factory.mktemp("failclosed"))
-    config = run_dir / "llmgw.yaml"
-    config.write_text(yaml.safe_dump({"pools": [{"name": "local", "simulate": 1}],
-                                      "models": [{"name": MODEL, "pool": "local"}]}))
     dead_port = free_port()  # nobody listens there: every ext_proc stream fails to open
-    options = StackOptions(config_path=config, run_dir=run_dir, port=free_port(), workers=1, envoy_concurrency=1,
-                           sim_args=("--record", "10"), log_level="WARNING", envoy_patch=_point_extproc_at(dead_port))
-    with LocalStack(options) as info:
+    with small_stack(tmp_path_factory, "failclosed", pods=1, sim_args=("--record", "10"),
+                     envoy_patch=_point_extproc_at(dead_port)) as info:
         yield info
 
 

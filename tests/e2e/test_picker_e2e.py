@@ -7,26 +7,17 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
-from extproc.launcher import LocalStack, StackInfo, StackOptions, free_port
-
-MODEL = "llama-3-8b-instruct"
+from extproc.launcher import StackInfo
+from tests.e2e.conftest import MODEL, small_stack
 
 
 @pytest.fixture(scope="module")
 def single_worker_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
-    run_dir = Path(tmp_path_factory.mktemp("picker"))
-    config = run_dir / "llmgw.yaml"
-    config.write_text(yaml.safe_dump({"pools": [{"name": "local", "simulate": 2}],
-                                      "models": [{"name": MODEL, "pool": "local"}]}))
-    options = StackOptions(config_path=config, run_dir=run_dir, port=free_port(), workers=1, envoy_concurrency=1,
-                           sim_args=("--record", "100"), log_level="WARNING")
-    with LocalStack(options) as info:
+    with small_stack(tmp_path_factory, "picker", pods=2, sim_args=("--record", "100")) as info:
         yield info
 
 
