@@ -13,8 +13,15 @@ from types import FrameType
 
 from rich.console import Console
 
-from extproc.config import ConfigError, compile_spec, hash_key, load_config, load_spec
-from extproc.launcher import ChildFailed, LocalStack, ProcessGroup, StackInfo, StackOptions, free_port
+from extproc.config import QUOTA_PATH_ENV, ConfigError, compile_spec, hash_key, load_config, load_spec
+from extproc.launcher import (
+    ChildFailed,
+    LocalStack,
+    ProcessGroup,
+    StackInfo,
+    StackOptions,
+    free_port,
+)
 
 DEFAULT_CONFIG = "config/local.yaml"
 DEV_KEY_ENV = "LLMGW_DEV_KEY"
@@ -122,7 +129,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for i in range(workers):
             child = group.spawn(f"extproc-{i + 1}", [sys.executable, "-m", "extproc.server", "--config",
                                                    args.config, "--host", host, "--port", str(port),
-                                                   "--log-level", args.log_level])
+                                                   "--log-level", args.log_level],
+                                env={QUOTA_PATH_ENV: os.environ.get(QUOTA_PATH_ENV)
+                                     or str(Path(args.run_dir).resolve() / "quota.sqlite")})
         for child in group.children:
             group.wait_ready_line(child, 20)
     except ChildFailed as error:

@@ -13,16 +13,18 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from extproc.cache.bloom import BloomFilter
+from extproc.quota.limits import Limits
 
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@-]*$")
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+QUOTA_PATH_ENV = "LLMGW_QUOTA_PATH"  # the SQLite quota file a node's extproc workers share
 
 
 class ConfigError(ValueError):
@@ -97,11 +99,33 @@ class KeySpec(_Strict):
         return self
 
 
+NonNegative = Annotated[int, Field(ge=0)]
+
+
+class LimitsSpec(_Strict):
+    """A tenant's limits; an omitted one is unlimited."""
+
+    rpm: NonNegative | None = None  # requests per minute
+    tpm: NonNegative | None = None  # input + output tokens per minute
+    concurrency: NonNegative | None = None  # requests in flight
+    daily_tokens: NonNegative | None = None  # input + output tokens per UTC day
+
+
+class QuotaSpec(_Strict):
+    """Where limits are counted and what happens when Redis is away."""
+
+    on_store_error: Literal["local", "fail_closed"] = "local"
+    replicas: Annotated[int, Field(ge=1)] = 1  # gateways sharing Redis: each enforces 1/replicas locally
+    lease_ttl_s: Annotated[float, Field(gt=0)] = 60.0  # a dead process's concurrency slot frees itself
+    local_path: str | None = None  # SQLite file shared by this node's workers (else LLMGW_QUOTA_PATH)
+
+
 class TenantSpec(_Strict):
     """A tenant: who its API keys belong to, the QoS classes it may use and tags for accounting."""
 
     name: Annotated[str, Field(pattern=_NAME.pattern)]
     keys: Annotated[list[KeySpec], Field(min_length=1)]
+    limits: LimitsSpec | None = None
     qos: Annotated[list[str], Field(min_length=1)] = Field(default_factory=lambda: ["standard"])
     tags: dict[str, str] = Field(default_factory=dict)
 
@@ -124,6 +148,7 @@ class GatewaySpec(_Strict):
     models: list[ModelSpec]
     # With tenants, every request needs one of their API keys (401 otherwise); without, no auth.
     tenants: list[TenantSpec] = Field(default_factory=list)
+    quota: QuotaSpec = Field(default_factory=QuotaSpec)
 
     @model_validator(mode="after")
     def _cross_references(self) -> GatewaySpec:
@@ -179,6 +204,7 @@ class Tenant:
     name: str
     qos: tuple[str, ...]
     tags: tuple[tuple[str, str], ...]
+    limits: Limits | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +220,7 @@ class GatewayConfig:
     tenants_by_key: dict[bytes, Tenant] = field(default_factory=dict, repr=False)  # SHA-256 digest -> tenant
     key_filter: BloomFilter = field(default_factory=BloomFilter, repr=False)
     auth_required: bool = False
+    quota: QuotaSpec = field(default_factory=QuotaSpec)
 
     def lookup(self, requested: str) -> Model | None:
         """The model a client's ``model`` field names, through aliases; None when unknown."""
@@ -250,7 +277,7 @@ def compile_spec(spec: GatewaySpec, *, env: dict[str, str] | os._Environ[str]) -
     redis_url = spec.redis_url or env.get("LLMGW_REDIS_URL") or None
     keys = _compile_keys(spec.tenants, env)
     return GatewayConfig(by_name, models, pools, spec.server.max_body_bytes, spec.server, redis_url,
-                         keys, BloomFilter(keys), bool(spec.tenants))
+                         keys, BloomFilter(keys), bool(spec.tenants), spec.quota)
 
 
 def hash_key(key: str) -> bytes:
@@ -261,7 +288,8 @@ def hash_key(key: str) -> bytes:
 def _compile_keys(tenants: list[TenantSpec], env: Any) -> dict[bytes, Tenant]:
     table: dict[bytes, Tenant] = {}
     for i, spec in enumerate(tenants):
-        tenant = Tenant(spec.name, tuple(spec.qos), tuple(sorted(spec.tags.items())))
+        limits = Limits(**spec.limits.model_dump()) if spec.limits is not None else None
+        tenant = Tenant(spec.name, tuple(spec.qos), tuple(sorted(spec.tags.items())), limits)
         for j, key in enumerate(spec.keys):
             where = f"tenants[{i}].keys[{j}]"
             if key.env is not None:

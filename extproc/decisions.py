@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from extproc.api import ApiError
+from extproc.quota.limits import Admission, Quota
 
 Headers = tuple[tuple[str, str], ...]
 JSON_CONTENT_TYPE = ("content-type", "application/json")
@@ -44,6 +45,15 @@ class Reply:
     def json(cls, status: int, body: bytes, headers: Headers = ()) -> Reply:
         """A JSON reply made by the gateway itself (``/v1/models``)."""
         return cls(status, body, (JSON_CONTENT_TYPE, *headers))
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """Not an answer yet: the shell must ask the quota store, then hand the verdict back to the
+    gateway (``Gateway.admitted``), which answers with a Continue or a 429 Reply."""
+
+    admission: Admission
+    quota: Quota
 
 
 Decision = Continue | Reply

@@ -15,9 +15,14 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from extproc.api import OPERATIONS_BY_PATH, ApiError, Operation, ParsedRequest, parse_request
+from extproc.api import OPERATIONS_BY_PATH, ApiError, EmbeddingRequest, Operation, ParsedRequest, parse_request
 from extproc.config import GatewayConfig, Model, Tenant, hash_key
-from extproc.decisions import Continue, Decision, Headers, Reply
+from extproc.decisions import Admit, Continue, Decision, Headers, Reply
+from extproc.observer import Usage
+from extproc.predict import OutputLengthPredictor
+from extproc.quota.limits import Admission, Lease, LimitKind, Quota
+from extproc.quota.limits import Decision as QuotaVerdict
+from extproc.tokens import FallbackEstimator, TokenEstimator
 from extproc.routing.picker import EndpointPicker
 from extproc.telemetry.tracecontext import IdSource, TraceContext, continue_or_start, random_hex, request_id
 
@@ -28,6 +33,7 @@ ROUTE_HEADER = "x-llmgw-route"
 MODEL_HEADER = "x-llmgw-model"
 POOL_HEADER = "x-llmgw-pool"
 TENANT_HEADER = "x-llmgw-tenant"
+RATELIMIT_PREFIX = "x-ratelimit-"
 ROUTE_DIRECT = "direct"
 MODELS_PATH = "/v1/models"
 RECENT_LIMIT = 4096  # finished requests kept for a late observer message
@@ -48,6 +54,10 @@ class RequestState:
     rejected: ApiError | None = None
     released: bool = False
     tenant: Tenant | None = None
+    reserved_tokens: int = 0
+    lease: Lease | None = None  # a quota admission to settle when the response ends
+    settled: bool = False
+    rate_headers: Headers = ()
 
     def identity_headers(self) -> Headers:
         """Headers that go to the pod and back to the client: ``x-request-id`` and ``traceparent``."""
@@ -59,9 +69,13 @@ class RequestState:
 class Gateway:
     """Turns request phases into decisions, against one immutable config snapshot."""
 
-    def __init__(self, config: GatewayConfig, picker: EndpointPicker, new_id: IdSource = random_hex) -> None:
+    def __init__(self, config: GatewayConfig, picker: EndpointPicker, new_id: IdSource = random_hex,
+                 estimator: TokenEstimator | None = None, predictor: OutputLengthPredictor | None = None) -> None:
         self._picker = picker
         self._new_id = new_id
+        # Reservations are reconciled to the pod's reported usage, so a cheap estimate will do here.
+        self._estimator = estimator or FallbackEstimator()
+        self.predictor = predictor or OutputLengthPredictor()
         self.reload(config)
         self._active: dict[str, RequestState] = {}  # forwarded requests by the gateway's span id
         # Finished ones, briefly: the observer's messages may be handled after the main stream ended.
@@ -120,8 +134,9 @@ class Gateway:
         # a request that never reaches the body phase cannot ride a forged x-llmgw-route.
         return Continue(set_headers=state.identity_headers(), remove_headers=strip, clear_route_cache=True)
 
-    def request_body(self, state: RequestState, body: bytes) -> Decision:
-        """Validate the body, resolve the model, pick an endpoint and route to it."""
+    def request_body(self, state: RequestState, body: bytes) -> Decision | Admit:
+        """Validate the body and resolve the model; then route it, or first ask for admission
+        (``Admit``) when the tenant has limits."""
         assert state.operation is not None, "the phase table lets a body in only after POST headers"
         if len(body) > self.config.max_body_bytes:
             return self._too_large(state, len(body))
@@ -137,6 +152,54 @@ class Gateway:
                 404, f"The model '{requested}' does not exist or you do not have access to it.",
                 param="model", code="model_not_found"))
         state.model = model
+        limits = state.tenant.limits if state.tenant is not None else None
+        if limits is None:
+            return self._route(state)
+        assert state.tenant is not None and state.trace is not None
+        state.reserved_tokens = self._reserve(state, parsed)
+        admission = Admission(tenant=state.tenant.name, lease_id=state.trace.span_id,
+                              reserve_tokens=state.reserved_tokens)
+        return Admit(admission, Quota(limits))
+
+    def admitted(self, state: RequestState, verdict: QuotaVerdict) -> Decision:
+        """The quota store's verdict: route the request, or answer 429 naming the limit."""
+        if not verdict.admitted:
+            return self._reject(state, _rate_limited(state, verdict), verdict.headers())
+        state.lease = verdict.lease
+        state.rate_headers = verdict.headers()
+        return self._route(state)
+
+    def store_unavailable(self, state: RequestState) -> Reply:
+        """The quota store is down and the config says fail closed."""
+        return self._reject(state, ApiError(503, "Rate limits cannot be checked right now; retry shortly.",
+                                            type="server_error", code="service_unavailable"), (("retry-after", "1"),))
+
+    def settle(self, state: RequestState, usage: Usage | None = None) -> Lease | None:
+        """Learn the output length from ``usage``, and claim the lease to settle, once: the observer
+        (with the usage) or the stream's end (without), whichever comes first."""
+        if usage is not None and state.tenant is not None and state.model is not None and not state.settled:
+            n = getattr(state.request.model, "n", None) if state.request is not None else None
+            self.predictor.observe((state.tenant.name, state.model.name), usage.output_tokens, n or 1)
+        if state.lease is None or state.settled:
+            return None
+        state.settled = True
+        return state.lease
+
+    def _reserve(self, state: RequestState, parsed: ParsedRequest) -> int:
+        """Tokens to hold: the input estimate plus the predicted output (capped by max_tokens)."""
+        request = parsed.model
+        input_tokens = self._estimator.estimate(parsed).total
+        if isinstance(request, EmbeddingRequest):
+            return input_tokens
+        n = getattr(request, "n", None) or 1
+        key = (state.tenant.name if state.tenant else "", state.model.name if state.model else "")
+        return input_tokens + self.predictor.predict(key, request.output_limit, n)
+
+    def _route(self, state: RequestState) -> Decision:
+        """Pick the endpoint and set the routing headers (and the new body for an alias)."""
+        parsed, model = state.request, state.model
+        assert parsed is not None and model is not None
+        requested = parsed.model.model
         state.endpoint = self._picker.pick(model.pool.endpoints)
 
         set_headers: list[tuple[str, str]] = [
@@ -147,6 +210,7 @@ class Gateway:
         ]
         if state.tenant is not None:
             set_headers.append((TENANT_HEADER, state.tenant.name))
+        set_headers.extend(state.rate_headers)  # copied onto the response by Envoy (envoy.yaml)
         if model.pool.credential:
             set_headers.append(("authorization", f"Bearer {model.pool.credential}"))
         new_body = None
@@ -219,6 +283,30 @@ class Gateway:
 CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "api-key", "x-api-key"})
 
 
+def _rate_limited(state: RequestState, verdict: QuotaVerdict) -> ApiError:
+    """OpenAI's 429: ``rate_limit_exceeded``, the error type naming what ran out."""
+    kind = verdict.refused_by or LimitKind.REQUESTS
+    figure = verdict.tightest(kind)
+    tenant = state.tenant.name if state.tenant else "this key"
+    limit = f" (limit {figure.limit})" if figure is not None else ""
+    if verdict.retry_after_ms is None:
+        wait = " This request alone exceeds it: send a smaller one."
+    else:
+        wait = f" Please try again in {max(1, -(-verdict.retry_after_ms // 1000))}s."
+    scope = f" for QoS class {verdict.refused_scope}" if verdict.refused_scope == "qos" else ""
+    message = f"Rate limit reached for {tenant}{scope} on {_LIMIT_NAMES[kind]}{limit}.{wait}"
+    kind_type = "tokens" if kind in (LimitKind.TOKENS, LimitKind.DAILY_TOKENS) else "requests"
+    return ApiError(429, message, type=kind_type, code="rate_limit_exceeded")
+
+
+_LIMIT_NAMES = {
+    LimitKind.REQUESTS: "requests per minute (rpm)",
+    LimitKind.TOKENS: "tokens per minute (tpm)",
+    LimitKind.CONCURRENCY: "concurrent requests",
+    LimitKind.DAILY_TOKENS: "tokens per day",
+}
+
+
 def presented_key(headers: Mapping[str, str]) -> str | None:
     """The API key a client sent: ``Authorization: Bearer``, or Azure-style ``api-key``/``x-api-key``."""
     authorization = headers.get("authorization", "")
@@ -229,7 +317,9 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
 
 
 def _is_internal(name: str) -> bool:
-    return name.startswith(INTERNAL_PREFIX) or name == DESTINATION_HEADER or name in CREDENTIAL_HEADERS
+    # x-ratelimit-*: the gateway's figures ride on the request for Envoy to copy onto the response.
+    return (name.startswith((INTERNAL_PREFIX, RATELIMIT_PREFIX)) or name == DESTINATION_HEADER
+            or name in CREDENTIAL_HEADERS)
 
 
 def _model_card(name: str, model: Model) -> dict[str, object]:

@@ -25,6 +25,11 @@ class Usage:
     output_tokens: int
     cached_tokens: int = 0
 
+    @property
+    def total(self) -> int:
+        """Input plus output tokens: what a tokens-per-minute limit counts."""
+        return self.input_tokens + self.output_tokens
+
 
 def find_usage(tail: bytes) -> Usage | None:
     """The last non-null ``usage`` object in ``tail`` (JSON or SSE text), or None."""

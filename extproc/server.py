@@ -14,7 +14,8 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 from pathlib import Path
 
 import grpc
@@ -23,17 +24,20 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.api import ApiError
-from extproc.config import ConfigError, GatewayConfig, load_config
-from extproc.decisions import PASS_THROUGH, Decision, Reply
+from extproc.config import QUOTA_PATH_ENV, ConfigError, GatewayConfig, load_config
+from extproc.decisions import PASS_THROUGH, Admit, Decision, Reply
 from extproc.gateway import Gateway, RequestState
 from extproc.observer import ResponseObservation
 from extproc.phases import Phase, ProtocolError, Stage, advance, check
+from extproc.quota import FallbackStore, MemoryStore, OnStoreError, QuotaStore, StoreUnavailable
+from extproc.quota.redis_store import RedisStore
 from extproc.routing.picker import LeastInFlight
 from extproc.wire import headers_to_dict, to_response
 
 log = logging.getLogger("llmgw.extproc")
 ENVOY_BUFFER_LIMIT = 32 * 1024 * 1024
 RELOAD_INTERVAL_S = 2.0
+SETTLE_GRACE_S = 0.5  # how long a finished stream waits for the observer's usage before settling
 access_log = logging.getLogger("llmgw.access")
 
 _INTERNAL_ERROR = ApiError(500, "The gateway failed to process the request; it was not forwarded.",
@@ -43,8 +47,10 @@ _INTERNAL_ERROR = ApiError(500, "The gateway failed to process the request; it w
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     """The servicer: one ``Process`` stream per HTTP request and filter."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, store: QuotaStore | None = None) -> None:
         self.gateway = gateway
+        self.store = store or MemoryStore()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def Process(  # noqa: N802 (the gRPC method name)
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -71,6 +77,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     state = self.gateway.new_request()
                 check(stage, phase)
                 decision, end_of_stream = self._decide(state, phase, message)
+                if isinstance(decision, Admit):
+                    decision = await self._admit(state, decision)
                 stage = advance(stage, phase, answered=isinstance(decision, Reply), end_of_stream=end_of_stream)
                 yield to_response(phase, decision)
         except ProtocolError as error:
@@ -79,8 +87,37 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         finally:
             if state is not None:
                 self.gateway.finish(state)
+                if state.lease is not None and not state.settled:
+                    self._spawn(self._settle_after_grace(state))
             if observation is not None:
                 _log_access(observation)  # the stream ended first: the client went away
+
+    async def _admit(self, state: RequestState, ask: Admit) -> Decision:
+        """One quota-store round trip; the gateway turns the verdict into the answer."""
+        try:
+            verdict = await self.store.admit(ask.admission, ask.quota)
+        except StoreUnavailable:
+            return self.gateway.store_unavailable(state)
+        return self.gateway.admitted(state, verdict)
+
+    async def _settle_after_grace(self, state: RequestState) -> None:
+        """The stream ended: give the observer a moment to settle with the real usage, else settle
+        with the reservation (the client went away, or the pod sent no usage)."""
+        await asyncio.sleep(SETTLE_GRACE_S)
+        lease = self.gateway.settle(state)
+        if lease is not None:
+            await self.store.release(lease)
+
+    def _settle_with_usage(self, state: RequestState, observation: ResponseObservation) -> None:
+        usage = observation.usage()
+        lease = self.gateway.settle(state, usage)
+        if lease is not None:
+            self._spawn(self.store.release(lease, usage.total if usage is not None else None))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)  # keep a reference until done (asyncio holds tasks weakly)
+        task.add_done_callback(self._tasks.discard)
 
     def _observe(self, observation: ResponseObservation, phase: Phase, message: pb.ProcessingRequest) -> None:
         if phase is Phase.RESPONSE_HEADERS:
@@ -92,6 +129,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                                    state.model.pool.name if state.model else "", state.endpoint or "")
         elif phase is Phase.RESPONSE_BODY:
             observation.on_response_body(message.response_body.body, message.response_body.end_of_stream)
+        if observation.complete:
+            state = self.gateway.active(observation.span_id)
+            if state is not None:
+                self._settle_with_usage(state, observation)
 
     def _decide(self, state: RequestState, phase: Phase, message: pb.ProcessingRequest) -> tuple[Decision, bool]:
         try:
@@ -116,6 +157,24 @@ def _log_access(observation: ResponseObservation) -> None:
         access_log.info("%s", orjson.dumps(observation.record()).decode())
 
 
+def build_store(config: GatewayConfig) -> QuotaStore:
+    """Redis (with the node's SQLite store behind it when Redis is away), or the SQLite store alone.
+
+    The SQLite file (``quota.local_path``, else ``$LLMGW_QUOTA_PATH``) is shared by the node's
+    worker processes, so limits hold across them without Redis; with neither, each process counts
+    alone (one worker then, or limits multiply).
+    """
+    quota = config.quota
+    path = quota.local_path or os.environ.get(QUOTA_PATH_ENV)
+    if path is None and (config.server.workers or os.cpu_count() or 1) > 1 and config.auth_required:
+        log.warning("no quota.local_path nor %s: each extproc process enforces limits alone", QUOTA_PATH_ENV)
+    local = MemoryStore(path, lease_ttl_s=quota.lease_ttl_s)
+    if config.redis_url is None:
+        return local
+    primary = RedisStore.from_url(config.redis_url, lease_ttl_s=quota.lease_ttl_s)
+    return FallbackStore(primary, local, OnStoreError(quota.on_store_error), replicas=quota.replicas)
+
+
 def build_server(config: GatewayConfig, gateway: Gateway | None = None) -> grpc.aio.Server:
     """A grpc.aio server carrying the servicer; messages as large as Envoy may buffer."""
     # At least what Envoy may buffer (per_connection_buffer_limit_bytes in envoy.yaml), so that an
@@ -129,7 +188,7 @@ def build_server(config: GatewayConfig, gateway: Gateway | None = None) -> grpc.
             ("grpc.max_concurrent_streams", 10000),
         ]
     )
-    servicer = ExternalProcessor(gateway or Gateway(config, LeastInFlight()))
+    servicer = ExternalProcessor(gateway or Gateway(config, LeastInFlight()), build_store(config))
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     return server
 

@@ -18,8 +18,13 @@ E2E_CONFIG = {
     "server": {"max_body_bytes": MAX_BODY},
     "pools": [{"name": "local", "simulate": 2}],
     "models": [{"name": "llama-3-8b-instruct", "pool": "local", "aliases": ["gpt-4o-mini"]}],
-    "tenants": [{"name": "team-a", "keys": [{"env": "E2E_TENANT_KEY"}]}],
+    "tenants": [
+        {"name": "team-a", "keys": [{"env": "E2E_TENANT_KEY"}]},
+        {"name": "team-rpm", "keys": [{"env": "E2E_RPM_KEY"}], "limits": {"rpm": 5}},
+        {"name": "team-solo", "keys": [{"env": "E2E_SOLO_KEY"}], "limits": {"concurrency": 1}},
+    ],
 }
+RPM_KEY, SOLO_KEY = "sk-e2e-rpm", "sk-e2e-solo"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -46,7 +51,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
     config_path.write_text(yaml.safe_dump(E2E_CONFIG))
     options = StackOptions(
         config_path=config_path, run_dir=run_dir, port=free_port(), workers=2, envoy_concurrency=2,
-        sim_args=("--record", "200", "--seed", "1"), log_level="INFO", env={"E2E_TENANT_KEY": TENANT_KEY},
+        sim_args=("--record", "200", "--seed", "1"), log_level="INFO", env={"E2E_TENANT_KEY": TENANT_KEY, "E2E_RPM_KEY": RPM_KEY, "E2E_SOLO_KEY": SOLO_KEY},
     )
     with LocalStack(options) as info:
         yield info

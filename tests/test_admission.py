@@ -1,0 +1,82 @@
+"""Admission on the request path: the gateway asks, the quota store answers, the gateway replies."""
+
+from __future__ import annotations
+
+import random
+
+import orjson
+import pytest
+
+from extproc.config import hash_key, parse_config
+from extproc.decisions import Admit, Continue, Reply
+from extproc.gateway import Gateway, RequestState
+from extproc.observer import Usage
+from extproc.quota import MemoryStore
+from extproc.routing.picker import LeastInFlight
+from tests.helpers import CONFIG, post_headers
+
+KEY = "sk-limited"
+DOCUMENT = {**CONFIG, "tenants": [{"name": "team-l", "keys": [{"sha256": hash_key(KEY).hex()}],
+                                   "limits": {"rpm": 2, "concurrency": 5}}]}
+CHAT = b'{"model": "llama-3-8b-instruct", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 50}'
+
+
+@pytest.fixture
+def gateway() -> Gateway:
+    return Gateway(parse_config(DOCUMENT, env={"POOL_KEY": "p"}), LeastInFlight(random.Random(0)))
+
+
+def _ask(gateway: Gateway) -> tuple[RequestState, Admit]:
+    state = gateway.new_request()
+    assert isinstance(gateway.request_headers(state, post_headers(authorization=f"Bearer {KEY}"), False), Continue)
+    ask = gateway.request_body(state, CHAT)
+    assert isinstance(ask, Admit)
+    return state, ask
+
+
+async def test_admitted_requests_route_with_rate_headers_then_429(gateway: Gateway) -> None:
+    store = MemoryStore()
+    for remaining in ("1", "0"):
+        state, ask = _ask(gateway)
+        assert state.endpoint is None  # nothing is picked before the store says yes
+        assert ask.admission.reserve_tokens == state.reserved_tokens
+        assert 50 < state.reserved_tokens <= 50 + 20  # input estimate + predicted output capped by max_tokens
+        decision = gateway.admitted(state, await store.admit(ask.admission, ask.quota))
+        assert isinstance(decision, Continue) and state.endpoint is not None and state.lease is not None
+        headers = dict(decision.set_headers)
+        assert (headers["x-ratelimit-limit-requests"], headers["x-ratelimit-remaining-requests"]) == ("2", remaining)
+    state, ask = _ask(gateway)
+    refused = gateway.admitted(state, await store.admit(ask.admission, ask.quota))
+    assert isinstance(refused, Reply) and refused.status == 429
+    error = orjson.loads(refused.body)["error"]
+    assert (error["code"], error["type"]) == ("rate_limit_exceeded", "requests")
+    assert "team-l" in error["message"] and "requests per minute (rpm) (limit 2)" in error["message"]
+    assert int(dict(refused.headers)["retry-after"]) >= 1
+    assert state.endpoint is None and state.lease is None  # a refused request holds nothing
+
+
+async def test_settle_is_claimed_once_and_teaches_the_predictor(gateway: Gateway) -> None:
+    store = MemoryStore()
+    state, ask = _ask(gateway)
+    gateway.admitted(state, await store.admit(ask.admission, ask.quota))
+    lease = gateway.settle(state, Usage(5, 40))
+    assert lease is not None and gateway.settle(state) is None  # the stream's end finds it settled
+    await store.release(lease, 45)
+    stats = gateway.predictor.stats(("team-l", "llama-3-8b-instruct"))
+    assert stats is not None and stats.observations == 1
+
+
+def test_store_outage_with_fail_closed_is_503(gateway: Gateway) -> None:
+    state, _ = _ask(gateway)
+    reply = gateway.store_unavailable(state)
+    assert reply.status == 503 and orjson.loads(reply.body)["error"]["code"] == "service_unavailable"
+    assert dict(reply.headers)["retry-after"] == "1"
+
+
+def test_tenant_without_limits_is_routed_directly() -> None:
+    document = {**DOCUMENT, "tenants": [{**DOCUMENT["tenants"][0], "limits": None}]}
+    gateway = Gateway(parse_config(document, env={"POOL_KEY": "p"}), LeastInFlight())
+    state = gateway.new_request()
+    gateway.request_headers(state, post_headers(authorization=f"Bearer {KEY}"), False)
+    decision = gateway.request_body(state, CHAT)
+    assert isinstance(decision, Continue) and not [k for k, _ in decision.set_headers if k.startswith("x-ratelimit")]
