@@ -98,7 +98,28 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             verdict = await self.store.admit(ask.admission, ask.quota)
         except StoreUnavailable:
             return self.gateway.store_unavailable(state)
-        return self.gateway.admitted(state, verdict)
+        decision = self.gateway.admitted(state, verdict)
+        if state.lease is not None:
+            self._spawn(self._keep_lease(state))
+        return decision
+
+    async def _keep_lease(self, state: RequestState) -> None:
+        """Renew a long generation's lease every third of its TTL until it is settled, so a slot
+        expires only when the process holding it is gone."""
+        interval = self.gateway.config.quota.lease_ttl_s / 3
+        while True:
+            await asyncio.sleep(interval)
+            if state.settled or state.lease is None:
+                return
+            try:
+                renewed = await self.store.renew(state.lease)
+            except StoreUnavailable:
+                continue  # the lease may lapse while the store is away; settling is still attempted
+            if renewed is None:
+                log.warning("lease of request %s expired before renewal", state.request_id)
+                return
+            if not state.settled:
+                state.lease = renewed
 
     async def _settle_after_grace(self, state: RequestState) -> None:
         """The stream ended: give the observer a moment to settle with the real usage, else settle

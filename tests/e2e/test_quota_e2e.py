@@ -87,3 +87,30 @@ def test_no_rate_headers_for_an_unlimited_tenant_and_client_copies_dropped(stack
                           headers={"authorization": f"Bearer {TENANT_KEY}", "x-ratelimit-limit-requests": "999"})
     assert response.status_code == 200
     assert not [h for h in response.headers if h.startswith("x-ratelimit-")]
+
+
+def test_long_generation_keeps_its_slot_past_the_lease_ttl(tmp_path_factory) -> None:  # noqa: ANN001
+    from tests.e2e.conftest import small_stack
+
+    extra = {"tenants": [{"name": "solo", "keys": [{"env": "RENEW_KEY"}], "limits": {"concurrency": 1}}],
+             "quota": {"lease_ttl_s": 0.6}}
+    with small_stack(tmp_path_factory, "renew", pods=1, extra_config=extra, env={"RENEW_KEY": "sk-renew"}) as info:
+        started = threading.Event()
+        done: list[int] = []
+
+        def long_stream() -> None:  # ~150 decode steps of ~12 ms: about 2 s, three lease TTLs
+            body = {"model": MODEL, "messages": HELLO, "stream": True, "max_tokens": 150, "ignore_eos": True}
+            with httpx.stream("POST", f"{info.base_url}/v1/chat/completions", json=body, timeout=30,
+                              headers={"authorization": "Bearer sk-renew"}) as response:
+                for _ in response.iter_lines():
+                    started.set()
+                done.append(response.status_code)
+
+        streamer = threading.Thread(target=long_stream)
+        streamer.start()
+        assert started.wait(10)
+        time.sleep(1.2)  # two TTLs in: without renewal the lease would have expired
+        assert _chat(info, "sk-renew").status_code == 429
+        streamer.join(30)
+        assert done == [200]
+        assert _eventually_admitted(info, "sk-renew") < 2.0
