@@ -30,6 +30,7 @@ e2e: $(VENV)/.dev
 
 bench: $(VENV)/.dev
 	$(PY) -m bench.overhead
+	$(PY) -m bench.quota
 
 validate: $(VENV)/.runtime
 	$(VENV)/bin/envoy --mode validate -c envoy/envoy.yaml --use-dynamic-base-id

