@@ -35,14 +35,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def small_stack(tmp_path_factory: pytest.TempPathFactory, name: str, pods: int,
                 extra_config: dict[str, Any] | None = None, **options: Any) -> LocalStack:
-    """A stack with one pool of simulated pods, one extproc process and one Envoy worker, so that
-    every request meets the same picker; start it with ``with``."""
+    """A stack with one pool of simulated pods and, unless ``options`` say otherwise, one extproc
+    process and one Envoy worker, so that every request meets the same picker; start it with ``with``."""
     run_dir = Path(tmp_path_factory.mktemp(name))
     config = run_dir / "llmgw.yaml"
     config.write_text(yaml.safe_dump({"pools": [{"name": "local", "simulate": pods}],
                                       "models": [{"name": MODEL, "pool": "local"}], **(extra_config or {})}))
-    return LocalStack(StackOptions(config_path=config, run_dir=run_dir, port=free_port(), workers=1,
-                                   envoy_concurrency=1, log_level="WARNING", **options))
+    settings: dict[str, Any] = {"workers": 1, "envoy_concurrency": 1, "log_level": "WARNING", **options}
+    return LocalStack(StackOptions(config_path=config, run_dir=run_dir, port=free_port(), **settings))
 
 
 @pytest.fixture(scope="session")
