@@ -3,17 +3,30 @@
 from __future__ import annotations
 
 import argparse
+import csv
+import json
 import os
 import secrets
 import signal
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from types import FrameType
 
 from rich.console import Console
+from rich.table import Table
 
-from extproc.config import QUOTA_PATH_ENV, ConfigError, compile_spec, hash_key, load_config, load_spec
+from extproc import ledger
+from extproc.config import (
+    LEDGER_PATH_ENV,
+    QUOTA_PATH_ENV,
+    ConfigError,
+    compile_spec,
+    hash_key,
+    load_config,
+    load_spec,
+)
 from extproc.launcher import (
     ChildFailed,
     LocalStack,
@@ -131,7 +144,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                                    args.config, "--host", host, "--port", str(port),
                                                    "--log-level", args.log_level],
                                 env={QUOTA_PATH_ENV: os.environ.get(QUOTA_PATH_ENV)
-                                     or str(Path(args.run_dir).resolve() / "quota.sqlite")})
+                                     or str(Path(args.run_dir).resolve() / "quota.sqlite"),
+                                     LEDGER_PATH_ENV: os.environ.get(LEDGER_PATH_ENV)
+                                     or str(Path(args.run_dir).resolve() / "usage.jsonl")})
         for child in group.children:
             group.wait_ready_line(child, 20)
     except ChildFailed as error:
@@ -152,6 +167,56 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     key = new_api_key()
     print(f"# API key (give it to the tenant; only its hash goes in the config): {key}")
     print(f"tenants:\n  - name: {args.tenant}\n    keys:\n      - sha256: {hash_key(key).hex()}")
+    return 0
+
+
+def _since_ms(text: str | None) -> int:
+    """``--since``: ``30m``, ``2h``, ``7d`` ago, or an ISO date/time (UTC when it has no zone)."""
+    if not text:
+        return 0
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    if text[-1] in units and text[:-1].isdigit():
+        return int((time.time() - int(text[:-1]) * units[text[-1]]) * 1000)
+    moment = datetime.fromisoformat(text)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return int(moment.timestamp() * 1000)
+
+
+def cmd_usage(args: argparse.Namespace) -> int:
+    """``llmgw usage``: totals per tenant and model from the usage ledger."""
+    try:
+        since = _since_ms(args.since)
+    except ValueError:
+        console.print(f"[red]--since: {args.since!r} is neither 30m/2h/7d nor an ISO date[/red]")
+        return 2
+    redis_url = args.redis_url or os.environ.get("LLMGW_REDIS_URL")
+    if redis_url:
+        records = ledger.read_stream(redis_url, since_ms=since)
+    else:
+        path = Path(args.file)
+        if not path.is_file():
+            console.print(f"[red]no usage ledger at {path} (pass --file or --redis-url)[/red]")
+            return 1
+        records = ledger.read_file(path)
+    rows = [
+        {"tenant": tenant, "model": model, "requests": t.requests, "input_tokens": t.input_tokens,
+         "output_tokens": t.output_tokens, "cached_tokens": t.cached_tokens, "cost_usd": round(t.cost_usd, 6)}
+        for (tenant, model), t in sorted(ledger.totals(records, tenant=args.tenant, since_ms=since).items())
+    ]
+    if args.format == "json":
+        print(json.dumps(rows, indent=2))
+    elif args.format == "csv":
+        writer = csv.DictWriter(sys.stdout, fieldnames=list(rows[0]) if rows else ["tenant"])
+        writer.writeheader()
+        writer.writerows(rows)
+    else:
+        table = Table(title="usage")
+        for column in ("tenant", "model", "requests", "input_tokens", "output_tokens", "cached_tokens", "cost_usd"):
+            table.add_column(column, justify="left" if column in ("tenant", "model") else "right")
+        for row in rows:
+            table.add_row(*(str(value) for value in row.values()))
+        Console().print(table)
     return 0
 
 
@@ -202,6 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
     keygen = commands.add_parser("keygen", help="make an API key; prints the config lines with its hash")
     keygen.add_argument("--tenant", default="my-team")
     keygen.set_defaults(handler=cmd_keygen)
+
+    usage = commands.add_parser("usage", help="usage and cost totals per tenant and model, from the ledger")
+    usage.add_argument("--tenant", default=None)
+    usage.add_argument("--since", default=None, help="30m, 2h, 7d, or an ISO date/time")
+    usage.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    usage.add_argument("--file", default=".run/usage.jsonl", help="file ledger (default .run/usage.jsonl)")
+    usage.add_argument("--redis-url", default=None, help="read the Redis Stream ledger instead")
+    usage.set_defaults(handler=cmd_usage)
 
     check = commands.add_parser("check-config", help="validate a config file")
     check.add_argument("config")

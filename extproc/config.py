@@ -20,11 +20,13 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from extproc.cache.bloom import BloomFilter
 from extproc.quota.limits import Limits
+from extproc.pricing import Prices
 
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@-]*$")
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 QUOTA_PATH_ENV = "LLMGW_QUOTA_PATH"  # the SQLite quota file a node's extproc workers share
+LEDGER_PATH_ENV = "LLMGW_LEDGER_PATH"  # the usage ledger file (JSON lines) when there is no Redis
 
 
 class ConfigError(ValueError):
@@ -76,11 +78,20 @@ class PoolSpec(_Strict):
         return self
 
 
+class PriceSpec(_Strict):
+    """US dollars per million tokens, for the usage ledger's cost."""
+
+    input: Annotated[float, Field(ge=0)] = 0.0
+    output: Annotated[float, Field(ge=0)] = 0.0
+    cached: Annotated[float, Field(ge=0)] = 0.0
+
+
 class ModelSpec(_Strict):
     """A model as pods serve it (``name``), the aliases clients may use, and the pool serving it."""
 
     name: Annotated[str, Field(pattern=_NAME.pattern)]
     pool: str
+    price: PriceSpec = Field(default_factory=PriceSpec)
     aliases: list[Annotated[str, Field(pattern=_NAME.pattern)]] = Field(default_factory=list)
     owned_by: str = "llmgw"
     max_model_len: Annotated[int, Field(gt=0)] | None = None
@@ -195,6 +206,7 @@ class Model:
     aliases: tuple[str, ...]
     owned_by: str
     max_model_len: int | None
+    prices: Prices = field(default_factory=Prices)
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,7 +283,8 @@ def compile_spec(spec: GatewaySpec, *, env: dict[str, str] | os._Environ[str]) -
             raise ConfigError(f"pools[{i}].endpoints: empty (simulated pools get theirs from `llmgw up`)")
         pools[p.name] = Pool(p.name, tuple(p.endpoints), _read_credential(p.credential, f"pools[{i}].credential", env))
     models = tuple(
-        Model(m.name, pools[m.pool], tuple(m.aliases), m.owned_by, m.max_model_len) for m in spec.models
+        Model(m.name, pools[m.pool], tuple(m.aliases), m.owned_by, m.max_model_len, Prices(**m.price.model_dump()))
+        for m in spec.models
     )
     by_name = {name: model for model in models for name in (model.name, *model.aliases)}
     redis_url = spec.redis_url or env.get("LLMGW_REDIS_URL") or None

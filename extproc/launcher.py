@@ -26,7 +26,7 @@ from typing import IO, Any
 import yaml
 
 from extproc import envoyconf
-from extproc.config import QUOTA_PATH_ENV, GatewaySpec, load_spec
+from extproc.config import LEDGER_PATH_ENV, QUOTA_PATH_ENV, GatewaySpec, load_spec
 
 _PR_SET_PDEATHSIG = 1
 
@@ -244,7 +244,8 @@ class LocalStack:
             self.group.spawn(f"extproc-{i + 1}", [
                 sys.executable, "-m", "extproc.server", "--config", str(config_path),
                 "--host", "127.0.0.1", "--port", str(extproc_port), "--log-level", opts.log_level,
-            ], env={QUOTA_PATH_ENV: str(opts.run_dir / "quota.sqlite"), **opts.env})  # one store for the node
+            ], env={QUOTA_PATH_ENV: str(opts.run_dir / "quota.sqlite"),  # one store for the node's workers
+                    LEDGER_PATH_ENV: str(opts.run_dir / "usage.jsonl"), **opts.env})
         for child in list(self.group.children[-workers:]):
             self.group.wait_ready_line(child, opts.ready_timeout)
 

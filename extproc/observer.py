@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from extproc.pricing import Prices
+
 TAIL_BYTES = 16 * 1024
 _USAGE_KEY = b'"usage":'
 
@@ -101,6 +103,8 @@ class ResponseObservation:
     started: float = field(default_factory=time.monotonic)
     request_id: str = ""
     span_id: str = ""
+    tenant: str = ""
+    prices: Prices | None = None  # set when the request was routed to a pod: it goes in the ledger
     model: str = ""
     pool: str = ""
     endpoint: str = ""
@@ -123,10 +127,12 @@ class ResponseObservation:
         if end_of_stream:
             self.finished_at = time.monotonic()
 
-    def attach(self, started: float, path: str, model: str, pool: str, endpoint: str) -> None:
+    def attach(self, started: float, path: str, model: str, pool: str, endpoint: str, tenant: str = "",
+               prices: Prices | None = None) -> None:
         """What the main filter's stream of the same request decided (found by span id)."""
         self.started = started
         self.path, self.model, self.pool, self.endpoint = path, model, pool, endpoint
+        self.tenant, self.prices = tenant, prices
 
     def on_response_body(self, chunk: bytes, end_of_stream: bool) -> None:
         """Count the chunk and keep the tail where the usage will be."""
@@ -157,6 +163,7 @@ class ResponseObservation:
         end = self.finished_at or time.monotonic()
         return {
             "request_id": self.request_id,
+            "llmgw.tenant": self.tenant,
             "gen_ai.request.model": self.model,
             "llmgw.pool": self.pool,
             "server.address": self.endpoint,

@@ -34,6 +34,7 @@ class RedisServer:
     workdir: Path
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    persistent: bool = False  # an fsync'ed append-only file, so data survives a kill and restart
 
     @property
     def url(self) -> str:
@@ -44,7 +45,8 @@ class RedisServer:
         """Start the server and wait until it accepts connections."""
         log = open(self.workdir / f"redis-{self.port}.log", "ab")  # noqa: SIM115  (owned by the child)
         self.proc = subprocess.Popen(
-            [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
+            [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+             *(("--appendonly", "yes", "--appendfsync", "always") if self.persistent else ("--appendonly", "no")),
              "--dir", str(self.workdir), "--protected-mode", "no"],
             stdout=log, stderr=subprocess.STDOUT)
         log.close()

@@ -24,9 +24,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.api import ApiError
-from extproc.config import QUOTA_PATH_ENV, ConfigError, GatewayConfig, load_config
+from extproc.config import LEDGER_PATH_ENV, QUOTA_PATH_ENV, ConfigError, GatewayConfig, load_config
 from extproc.decisions import PASS_THROUGH, Admit, Decision, Reply
 from extproc.gateway import Gateway, RequestState
+from extproc.ledger import FileLedger, LedgerSink, RedisLedger, usage_record
 from extproc.observer import ResponseObservation
 from extproc.phases import Phase, ProtocolError, Stage, advance, check
 from extproc.quota import FallbackStore, MemoryStore, OnStoreError, QuotaStore, StoreUnavailable
@@ -47,9 +48,10 @@ _INTERNAL_ERROR = ApiError(500, "The gateway failed to process the request; it w
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     """The servicer: one ``Process`` stream per HTTP request and filter."""
 
-    def __init__(self, gateway: Gateway, store: QuotaStore | None = None) -> None:
+    def __init__(self, gateway: Gateway, store: QuotaStore | None = None, ledger: LedgerSink | None = None) -> None:
         self.gateway = gateway
         self.store = store or MemoryStore()
+        self.ledger = ledger
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def Process(  # noqa: N802 (the gRPC method name)
@@ -70,7 +72,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         observation = ResponseObservation()
                     self._observe(observation, phase, message)
                     if observation.complete:
-                        _log_access(observation)  # now, not at Envoy's deferred stream close
+                        self._finished(observation)  # now, not at Envoy's deferred stream close
                         observation = None
                     continue
                 if state is None:
@@ -90,7 +92,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 if state.lease is not None and not state.settled:
                     self._spawn(self._settle_after_grace(state))
             if observation is not None:
-                _log_access(observation)  # the stream ended first: the client went away
+                self._finished(observation)  # the stream ended first: the client went away
 
     async def _admit(self, state: RequestState, ask: Admit) -> Decision:
         """One quota-store round trip; the gateway turns the verdict into the answer."""
@@ -135,6 +137,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         if lease is not None:
             self._spawn(self.store.release(lease, usage.total if usage is not None else None))
 
+    def _finished(self, observation: ResponseObservation) -> None:
+        """One access-log line and, for a request that reached a pod, one ledger record."""
+        _log_access(observation)
+        if self.ledger is not None and observation.prices is not None:
+            self._spawn(self.ledger.append(usage_record(observation, observation.tenant, observation.prices)))
+
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)  # keep a reference until done (asyncio holds tasks weakly)
@@ -146,8 +154,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             observation.on_response_headers(headers_to_dict(headers.headers), headers.end_of_stream)
             state = self.gateway.active(observation.span_id)
             if state is not None:
-                observation.attach(state.started, state.path, state.model.name if state.model else "",
-                                   state.model.pool.name if state.model else "", state.endpoint or "")
+                model = state.model
+                observation.attach(state.started, state.path, model.name if model else "",
+                                   model.pool.name if model else "", state.endpoint or "",
+                                   state.tenant.name if state.tenant else "", model.prices if model else None)
         elif phase is Phase.RESPONSE_BODY:
             observation.on_response_body(message.response_body.body, message.response_body.end_of_stream)
         if observation.complete:
@@ -196,7 +206,19 @@ def build_store(config: GatewayConfig) -> QuotaStore:
     return FallbackStore(primary, local, OnStoreError(quota.on_store_error), replicas=quota.replicas)
 
 
-def build_server(config: GatewayConfig, gateway: Gateway | None = None) -> grpc.aio.Server:
+def build_ledger(config: GatewayConfig) -> LedgerSink | None:
+    """The Redis Stream ledger with ``redis_url``, else the node's JSON-lines file, else none (said loudly)."""
+    if config.redis_url is not None:
+        return RedisLedger.from_url(config.redis_url)
+    path = os.environ.get(LEDGER_PATH_ENV)
+    if path is None:
+        log.warning("no redis_url nor %s: the usage ledger is off", LEDGER_PATH_ENV)
+        return None
+    return FileLedger(path)
+
+
+def build_server(config: GatewayConfig, gateway: Gateway | None = None, store: QuotaStore | None = None,
+                 ledger: LedgerSink | None = None) -> grpc.aio.Server:
     """A grpc.aio server carrying the servicer; messages as large as Envoy may buffer."""
     # At least what Envoy may buffer (per_connection_buffer_limit_bytes in envoy.yaml), so that an
     # oversize chunked body reaches the gateway and gets an OpenAI-style 413, not a gRPC error.
@@ -209,7 +231,7 @@ def build_server(config: GatewayConfig, gateway: Gateway | None = None) -> grpc.
             ("grpc.max_concurrent_streams", 10000),
         ]
     )
-    servicer = ExternalProcessor(gateway or Gateway(config, LeastInFlight()), build_store(config))
+    servicer = ExternalProcessor(gateway or Gateway(config, LeastInFlight()), store or build_store(config), ledger)
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     return server
 
@@ -237,7 +259,8 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
                 config_path: Path | None = None) -> None:
     """Run until SIGTERM/SIGINT, then drain streams for up to 5 s; reload ``config_path`` on change."""
     gateway = Gateway(config, LeastInFlight())
-    server = build_server(config, gateway)
+    store, ledger = build_store(config), build_ledger(config)
+    server = build_server(config, gateway, store, ledger)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     ready(bound)
@@ -250,6 +273,9 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     if watcher is not None:
         watcher.cancel()
     await server.stop(grace=5)
+    if ledger is not None:
+        await ledger.close()  # flush what Redis can still take
+    await store.close()
 
 
 def configure_logging(level: str = "INFO") -> None:

@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from extproc.launcher import StackInfo
+from extproc.ledger import read_file
 from tests.e2e.conftest import MAX_BODY, TENANT_KEY
 
 MODEL = "llama-3-8b-instruct"
@@ -295,6 +296,12 @@ def test_observer_records_usage_and_route(stack: StackInfo, client: openai.OpenA
         "x-gateway-destination-endpoint"]
     assert record["llmgw.stream"] is stream and record["llmgw.complete"] is True
     assert record["http.response.status_code"] == 200
+    deadline = time.monotonic() + 3
+    while not (ledger := [r for r in read_file(stack.log_dir.parent / "usage.jsonl") if r.request_id == request_id]):
+        assert time.monotonic() < deadline, "no ledger record"
+        time.sleep(0.05)
+    assert len(ledger) == 1  # one record per finished request, in the node's file ledger
+    assert (ledger[0].tenant, ledger[0].output_tokens) == ("team-a", usage.completion_tokens)
 
 
 def test_client_envoy_control_headers_are_ignored(http: httpx.Client) -> None:

