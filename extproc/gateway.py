@@ -222,7 +222,7 @@ class Gateway:
 
     def active(self, span_id: str) -> RequestState | None:
         """The in-flight request whose gateway span is ``span_id`` (for the observer)."""
-        return self._active.get(span_id) or self._recent.pop(span_id, None)
+        return self._active.get(span_id) or self._recent.get(span_id)
 
     def request_trailers(self, state: RequestState) -> Decision:
         """Trailers: after the body they pass; with no body before them the request is empty."""

@@ -165,7 +165,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             if state is not None:
                 self._settle_with_usage(state, observation)
 
-    def _decide(self, state: RequestState, phase: Phase, message: pb.ProcessingRequest) -> tuple[Decision, bool]:
+    def _decide(self, state: RequestState, phase: Phase, message: pb.ProcessingRequest
+                ) -> tuple[Decision | Admit, bool]:
         try:
             if phase is Phase.REQUEST_HEADERS:
                 headers = message.request_headers

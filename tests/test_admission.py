@@ -80,3 +80,40 @@ def test_tenant_without_limits_is_routed_directly() -> None:
     gateway.request_headers(state, post_headers(authorization=f"Bearer {KEY}"), False)
     decision = gateway.request_body(state, CHAT)
     assert isinstance(decision, Continue) and not [k for k, _ in decision.set_headers if k.startswith("x-ratelimit")]
+
+
+async def test_observer_settles_with_usage_even_after_the_main_stream_ended(gateway: Gateway) -> None:
+    from collections.abc import AsyncIterator
+
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    from extproc.server import ExternalProcessor
+    from tests.helpers import header_map, request_body, request_headers
+
+    store = MemoryStore()
+    servicer = ExternalProcessor(gateway, store)
+
+    async def stream(*messages: pb.ProcessingRequest) -> AsyncIterator[pb.ProcessingRequest]:
+        for message in messages:
+            yield message
+
+    class _Context:
+        async def abort(self, code: object, details: str) -> None:
+            raise AssertionError(details)
+
+    main = [r async for r in servicer.Process(stream(  # type: ignore[arg-type]
+        request_headers(post_headers(authorization=f"Bearer {KEY}", **{"x-request-id": "req-9"})),
+        request_body(CHAT)), _Context())]
+    headers = {h.header.key: h.header.raw_value.decode()
+               for h in main[0].request_headers.response.header_mutation.set_headers}
+    # The main stream is over (JSON responses often end it first); now the observer's messages come.
+    observed = pb.ProcessingRequest(observability_mode=True, response_headers=pb.HttpHeaders(headers=header_map({
+        ":status": "200", "content-type": "application/json", "x-request-id": "req-9",
+        "traceparent": headers["traceparent"]})))
+    body = pb.ProcessingRequest(observability_mode=True, response_body=pb.HttpBody(
+        body=b'{"usage":{"prompt_tokens":12,"completion_tokens":30}}', end_of_stream=True))
+    assert [r async for r in servicer.Process(stream(observed, body), _Context())] == []  # type: ignore[arg-type]
+    stats = gateway.predictor.stats(("team-l", "llama-3-8b-instruct"))
+    assert stats is not None and stats.observations == 1  # the observer found the finished request
+    for task in list(servicer._tasks):  # the lease keeper sleeps a third of the TTL: not waited for
+        task.cancel()
