@@ -57,6 +57,7 @@ class RequestState:
     reserved_tokens: int = 0
     lease: Lease | None = None  # a quota admission to settle when the response ends
     settled: bool = False
+    lease_renewed: float = 0.0  # monotonic time of admission or of the last renewal
     rate_headers: Headers = ()
 
     def identity_headers(self) -> Headers:
@@ -166,6 +167,7 @@ class Gateway:
         if not verdict.admitted:
             return self._reject(state, _rate_limited(state, verdict), verdict.headers())
         state.lease = verdict.lease
+        state.lease_renewed = time.monotonic()
         state.rate_headers = verdict.headers()
         return self._route(state)
 

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 from pathlib import Path
@@ -39,6 +40,7 @@ log = logging.getLogger("llmgw.extproc")
 ENVOY_BUFFER_LIMIT = 32 * 1024 * 1024
 RELOAD_INTERVAL_S = 2.0
 SETTLE_GRACE_S = 0.5  # how long a finished stream waits for the observer's usage before settling
+HOUSEKEEPING_S = 0.1
 access_log = logging.getLogger("llmgw.access")
 
 _INTERNAL_ERROR = ApiError(500, "The gateway failed to process the request; it was not forwarded.",
@@ -53,6 +55,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self.store = store or MemoryStore()
         self.ledger = ledger
         self._tasks: set[asyncio.Task[None]] = set()
+        # Admitted requests whose lease is not settled yet, by span id, and (for those whose stream
+        # has ended) when to settle them without usage. One housekeeping loop serves them all:
+        # no task per request.
+        self._leased: dict[str, RequestState] = {}
+        self._settle_due: dict[str, float] = {}
+        self._housekeeper: asyncio.Task[None] | None = None
 
     async def Process(  # noqa: N802 (the gRPC method name)
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -89,8 +97,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         finally:
             if state is not None:
                 self.gateway.finish(state)
-                if state.lease is not None and not state.settled:
-                    self._spawn(self._settle_after_grace(state))
+                if state.lease is not None and not state.settled and state.trace is not None:
+                    # Give the observer a moment to settle with the real usage; else the reservation.
+                    self._settle_due[state.trace.span_id] = time.monotonic() + SETTLE_GRACE_S
             if observation is not None:
                 self._finished(observation)  # the stream ended first: the client went away
 
@@ -101,35 +110,44 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         except StoreUnavailable:
             return self.gateway.store_unavailable(state)
         decision = self.gateway.admitted(state, verdict)
-        if state.lease is not None:
-            self._spawn(self._keep_lease(state))
+        if state.lease is not None and state.trace is not None:
+            self._leased[state.trace.span_id] = state
+            if self._housekeeper is None or self._housekeeper.done():
+                self._housekeeper = asyncio.get_running_loop().create_task(self._housekeeping())
         return decision
 
-    async def _keep_lease(self, state: RequestState) -> None:
-        """Renew a long generation's lease every third of its TTL until it is settled, so a slot
-        expires only when the process holding it is gone."""
-        interval = self.gateway.config.quota.lease_ttl_s / 3
-        while True:
-            await asyncio.sleep(interval)
-            if state.settled or state.lease is None:
-                return
-            try:
-                renewed = await self.store.renew(state.lease)
-            except StoreUnavailable:
-                continue  # the lease may lapse while the store is away; settling is still attempted
-            if renewed is None:
-                log.warning("lease of request %s expired before renewal", state.request_id)
-                return
-            if not state.settled:
-                state.lease = renewed
+    async def _housekeeping(self) -> None:
+        """While leases are held: settle ended requests whose grace ran out (no usage came: the
+        client went away, or the pod sent none), and renew leases older than a third of their TTL
+        so a long generation's slot expires only if this process dies."""
+        while self._leased:
+            await asyncio.sleep(HOUSEKEEPING_S)
+            now = time.monotonic()
+            for span_id, due in list(self._settle_due.items()):
+                if due <= now:
+                    del self._settle_due[span_id]
+                    state = self._leased.get(span_id)
+                    lease = self.gateway.settle(state) if state is not None else None
+                    if lease is not None:
+                        self._spawn(self.store.release(lease))
+            for span_id, state in list(self._leased.items()):
+                if state.settled or state.lease is None:
+                    del self._leased[span_id]
+                    self._settle_due.pop(span_id, None)
+                elif now - state.lease_renewed > self.gateway.config.quota.lease_ttl_s / 3:
+                    state.lease_renewed = now
+                    self._spawn(self._renew(state))
 
-    async def _settle_after_grace(self, state: RequestState) -> None:
-        """The stream ended: give the observer a moment to settle with the real usage, else settle
-        with the reservation (the client went away, or the pod sent no usage)."""
-        await asyncio.sleep(SETTLE_GRACE_S)
-        lease = self.gateway.settle(state)
-        if lease is not None:
-            await self.store.release(lease)
+    async def _renew(self, state: RequestState) -> None:
+        assert state.lease is not None
+        try:
+            renewed = await self.store.renew(state.lease)
+        except StoreUnavailable:
+            return  # the lease may lapse while the store is away; settling is still attempted
+        if renewed is None:
+            log.warning("lease of request %s expired before renewal", state.request_id)
+        elif not state.settled:
+            state.lease = renewed
 
     def _settle_with_usage(self, state: RequestState, observation: ResponseObservation) -> None:
         usage = observation.usage()
