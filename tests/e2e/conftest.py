@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
@@ -56,3 +58,44 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
     )
     with LocalStack(options) as info:
         yield info
+
+
+class BackgroundStream:
+    """A streamed chat request running in a thread (``ignore_eos``: it generates ``max_tokens``).
+
+    Entering waits for the first chunk; ``hang_up`` closes the connection mid-stream (as a client
+    that goes away), ``join`` lets it finish; leaving the block hangs up if it is still running.
+    """
+
+    def __init__(self, base_url: str, max_tokens: int, headers: dict[str, str] | None = None) -> None:
+        self.started, self._stop = threading.Event(), threading.Event()
+        self.status: int | None = None
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "long"}], "stream": True,
+                "max_tokens": max_tokens, "ignore_eos": True}
+        self._thread = threading.Thread(target=self._run, args=(f"{base_url}/v1/chat/completions", body,
+                                                                headers or {}))
+
+    def _run(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=30) as response:
+            for _ in response.iter_lines():
+                self.started.set()
+                if self._stop.is_set():
+                    return
+            self.status = response.status_code
+
+    def __enter__(self) -> BackgroundStream:
+        self._thread.start()
+        assert self.started.wait(10), "no first chunk within 10 s"
+        return self
+
+    def hang_up(self) -> None:
+        """Close the connection mid-stream."""
+        self._stop.set()
+        self._thread.join(30)
+
+    def join(self) -> None:
+        """Wait for the whole response."""
+        self._thread.join(30)
+
+    def __exit__(self, *exc: object) -> None:
+        self.hang_up()

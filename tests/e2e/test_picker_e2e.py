@@ -3,7 +3,6 @@ extproc process, so every request is counted by the same picker."""
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -12,7 +11,7 @@ import httpx
 import pytest
 
 from extproc.launcher import StackInfo
-from tests.e2e.conftest import MODEL, small_stack
+from tests.e2e.conftest import MODEL, BackgroundStream, small_stack
 
 
 @pytest.fixture(scope="module")
@@ -30,34 +29,18 @@ def _endpoint_of(stack: StackInfo, request_id: str) -> str:
     raise AssertionError(f"no pod saw {request_id}")
 
 
-def _long_stream(base_url: str, request_id: str, started: threading.Event, stop: threading.Event) -> None:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "long"}], "stream": True,
-            "max_tokens": 2000, "ignore_eos": True}  # ~25 s of decoding unless the client goes away
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=30,
-                      headers={"x-request-id": request_id}) as response:
-        for _ in response.iter_lines():
-            started.set()
-            if stop.is_set():
-                return  # hang up mid-stream: the gateway must release the pod's in-flight count
-
-
 def test_requests_avoid_the_pod_with_a_stream_in_flight_and_release_it(single_worker_stack: StackInfo) -> None:
     base = single_worker_stack.base_url
     tag = uuid.uuid4().hex[:8]
     for round_ in range(3):  # later rounds would tie (and pick at random) if a hung-up stream leaked its count
-        started, stop = threading.Event(), threading.Event()
         long_id = f"long-{tag}-{round_}"
-        streamer = threading.Thread(target=_long_stream, args=(base, long_id, started, stop))
-        streamer.start()
-        assert started.wait(10)
-        busy = _endpoint_of(single_worker_stack, long_id)
-        with httpx.Client(base_url=base, timeout=30) as client:
+        # ~25 s of decoding; leaving the block hangs up, and the gateway must release the pod's count.
+        with BackgroundStream(base, 2000, {"x-request-id": long_id}), httpx.Client(base_url=base, timeout=30) as client:
+            busy = _endpoint_of(single_worker_stack, long_id)
             for i in range(6):
                 short_id = f"short-{tag}-{round_}-{i}"
                 response = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1},
                                        headers={"x-request-id": short_id})
                 assert response.status_code == 200
                 assert _endpoint_of(single_worker_stack, short_id) != busy  # the idle pod has fewer in flight
-        stop.set()
-        streamer.join(30)
         time.sleep(0.2)  # the ext_proc stream closes when Envoy sees the client go

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
 import openai
 
 from extproc.launcher import StackInfo
-from tests.e2e.conftest import MODEL, RPM_KEY, SOLO_KEY, TENANT_KEY
+from tests.e2e.conftest import MODEL, RPM_KEY, SOLO_KEY, TENANT_KEY, BackgroundStream
 
 HELLO = [{"role": "user", "content": "hi"}]
 
@@ -45,27 +44,11 @@ def test_openai_client_sees_a_rate_limit_error(stack: StackInfo) -> None:
 
 
 def test_concurrency_slot_is_released_when_the_client_hangs_up(stack: StackInfo) -> None:
-    started, stop = threading.Event(), threading.Event()
-
-    def long_stream() -> None:
-        body = {"model": MODEL, "messages": HELLO, "stream": True, "max_tokens": 2000, "ignore_eos": True}
-        with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", json=body, timeout=30,
-                          headers={"authorization": f"Bearer {SOLO_KEY}"}) as response:
-            for _ in response.iter_lines():
-                started.set()
-                if stop.is_set():
-                    return
-
-    streamer = threading.Thread(target=long_stream)
-    streamer.start()
-    try:
-        assert started.wait(10)
+    with BackgroundStream(stack.base_url, 2000, {"authorization": f"Bearer {SOLO_KEY}"}):
         busy = _chat(stack, SOLO_KEY)
         assert busy.status_code == 429
         assert "concurrent requests" in busy.json()["error"]["message"]
-    finally:
-        stop.set()
-        streamer.join(30)
+    # (leaving the block hung up mid-stream)
     assert _eventually_admitted(stack, SOLO_KEY) < 2.0  # within the settle grace, not the 60 s lease TTL
     # A finished request gives its slot back as the observer sees the response end (asynchronously,
     # so a request sent the same instant may still meet it held).
@@ -95,22 +78,10 @@ def test_long_generation_keeps_its_slot_past_the_lease_ttl(tmp_path_factory) -> 
     extra = {"tenants": [{"name": "solo", "keys": [{"env": "RENEW_KEY"}], "limits": {"concurrency": 1}}],
              "quota": {"lease_ttl_s": 0.6}}
     with small_stack(tmp_path_factory, "renew", pods=1, extra_config=extra, env={"RENEW_KEY": "sk-renew"}) as info:
-        started = threading.Event()
-        done: list[int] = []
-
-        def long_stream() -> None:  # ~150 decode steps of ~12 ms: about 2 s, three lease TTLs
-            body = {"model": MODEL, "messages": HELLO, "stream": True, "max_tokens": 150, "ignore_eos": True}
-            with httpx.stream("POST", f"{info.base_url}/v1/chat/completions", json=body, timeout=30,
-                              headers={"authorization": "Bearer sk-renew"}) as response:
-                for _ in response.iter_lines():
-                    started.set()
-                done.append(response.status_code)
-
-        streamer = threading.Thread(target=long_stream)
-        streamer.start()
-        assert started.wait(10)
-        time.sleep(1.2)  # two TTLs in: without renewal the lease would have expired
-        assert _chat(info, "sk-renew").status_code == 429
-        streamer.join(30)
-        assert done == [200]
+        # ~150 decode steps of ~12 ms: about 2 s, three lease TTLs
+        with BackgroundStream(info.base_url, 150, {"authorization": "Bearer sk-renew"}) as stream:
+            time.sleep(1.2)  # two TTLs in: without renewal the lease would have expired
+            assert _chat(info, "sk-renew").status_code == 429
+            stream.join()
+        assert stream.status == 200
         assert _eventually_admitted(info, "sk-renew") < 2.0
