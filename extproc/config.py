@@ -21,6 +21,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from extproc.cache.bloom import BloomFilter
 from extproc.quota.limits import Limits
 from extproc.pricing import Prices
+from extproc.resources import resolve_resource
 
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@-]*$")
@@ -92,6 +93,9 @@ class ModelSpec(_Strict):
     name: Annotated[str, Field(pattern=_NAME.pattern)]
     pool: str
     price: PriceSpec = Field(default_factory=PriceSpec)
+    # The model's tokenizer.json (a path or pkg:<package>/<file>): counts streamed output exactly
+    # when a pod reports no usage. Without one, a heuristic (about 4 characters per token).
+    tokenizer: str | None = None
     aliases: list[Annotated[str, Field(pattern=_NAME.pattern)]] = Field(default_factory=list)
     owned_by: str = "llmgw"
     max_model_len: Annotated[int, Field(gt=0)] | None = None
@@ -207,6 +211,7 @@ class Model:
     owned_by: str
     max_model_len: int | None
     prices: Prices = field(default_factory=Prices)
+    tokenizer: Path | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,14 +288,24 @@ def compile_spec(spec: GatewaySpec, *, env: dict[str, str] | os._Environ[str]) -
             raise ConfigError(f"pools[{i}].endpoints: empty (simulated pools get theirs from `llmgw up`)")
         pools[p.name] = Pool(p.name, tuple(p.endpoints), _read_credential(p.credential, f"pools[{i}].credential", env))
     models = tuple(
-        Model(m.name, pools[m.pool], tuple(m.aliases), m.owned_by, m.max_model_len, Prices(**m.price.model_dump()))
-        for m in spec.models
+        Model(m.name, pools[m.pool], tuple(m.aliases), m.owned_by, m.max_model_len, Prices(**m.price.model_dump()),
+              _tokenizer_path(m.tokenizer, f"models[{i}].tokenizer"))
+        for i, m in enumerate(spec.models)
     )
     by_name = {name: model for model in models for name in (model.name, *model.aliases)}
     redis_url = spec.redis_url or env.get("LLMGW_REDIS_URL") or None
     keys = _compile_keys(spec.tenants, env)
     return GatewayConfig(by_name, models, pools, spec.server.max_body_bytes, spec.server, redis_url,
                          keys, BloomFilter(keys), bool(spec.tenants), spec.quota)
+
+
+def _tokenizer_path(spec: str | None, where: str) -> Path | None:
+    if spec is None:
+        return None
+    try:
+        return resolve_resource(spec)
+    except FileNotFoundError as error:
+        raise ConfigError(f"{where}: {error}") from None
 
 
 def hash_key(key: str) -> bytes:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from pathlib import Path
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -18,11 +19,11 @@ import orjson
 from extproc.api import OPERATIONS_BY_PATH, ApiError, EmbeddingRequest, Operation, ParsedRequest, parse_request
 from extproc.config import GatewayConfig, Model, Tenant, hash_key
 from extproc.decisions import Admit, Continue, Decision, Headers, Reply
-from extproc.observer import Usage
+from extproc.observer import ResponseObservation, Usage
 from extproc.predict import OutputLengthPredictor
 from extproc.quota.limits import Admission, Lease, LimitKind, Quota
 from extproc.quota.limits import Decision as QuotaVerdict
-from extproc.tokens import FallbackEstimator, TokenEstimator
+from extproc.tokens import BpeEstimator, FallbackEstimator, TokenEstimator
 from extproc.routing.picker import EndpointPicker
 from extproc.telemetry.tracecontext import IdSource, TraceContext, continue_or_start, random_hex, request_id
 
@@ -58,6 +59,7 @@ class RequestState:
     lease: Lease | None = None  # a quota admission to settle when the response ends
     settled: bool = False
     lease_renewed: float = 0.0  # monotonic time of admission or of the last renewal
+    input_estimate: int | None = None  # the gateway's own count of the input tokens, once computed
     rate_headers: Headers = ()
 
     def identity_headers(self) -> Headers:
@@ -83,7 +85,15 @@ class Gateway:
         self._recent: OrderedDict[str, RequestState] = OrderedDict()
 
     def reload(self, config: GatewayConfig) -> None:
-        """Swap in a new config snapshot; requests in flight keep what they already decided."""
+        """Swap in a new config snapshot; requests in flight keep what they already decided.
+
+        Tokenizers are loaded here (once per file, kept across reloads), never on a request.
+        """
+        counters = getattr(self, "_counters", {})
+        self._counters: dict[Path, TokenEstimator] = {
+            m.tokenizer: counters.get(m.tokenizer) or BpeEstimator.from_spec(str(m.tokenizer))
+            for m in config.models if m.tokenizer is not None
+        }
         self._models_body = _models_list(config)
         self.config = config
 
@@ -187,10 +197,21 @@ class Gateway:
         state.settled = True
         return state.lease
 
+    def usage_of(self, state: RequestState, observation: ResponseObservation) -> tuple[Usage | None, bool]:
+        """The request's usage: as the pod reported it, else counted from the streamed text (a pod
+        that sends no usage chunk, or a client that hung up); the flag says it was estimated."""
+        counter = self._counters.get(state.model.tokenizer) if state.model and state.model.tokenizer else None
+        return observation.final_usage((counter or self._estimator).count_text, self._input_estimate(state))
+
+    def _input_estimate(self, state: RequestState) -> int:
+        if state.input_estimate is None:
+            state.input_estimate = self._estimator.estimate(state.request).total if state.request else 0
+        return state.input_estimate
+
     def _reserve(self, state: RequestState, parsed: ParsedRequest) -> int:
         """Tokens to hold: the input estimate plus the predicted output (capped by max_tokens)."""
         request = parsed.model
-        input_tokens = self._estimator.estimate(parsed).total
+        input_tokens = self._input_estimate(state)
         if isinstance(request, EmbeddingRequest):
             return input_tokens
         n = getattr(request, "n", None) or 1

@@ -24,7 +24,7 @@ from redis import asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from extproc.observer import ResponseObservation
+from extproc.observer import ResponseObservation, Usage
 from extproc.pricing import Prices
 
 log = logging.getLogger("llmgw.ledger")
@@ -52,6 +52,7 @@ class UsageRecord:
     ttft_ms: float | None
     stream: bool
     complete: bool
+    usage_estimated: bool = False  # counted by the gateway: the pod reported no usage
 
     def to_json(self) -> bytes:
         """The record as one JSON object."""
@@ -219,9 +220,11 @@ def totals(records: Iterable[UsageRecord], *, tenant: str | None = None, since_m
     return out
 
 
-def usage_record(observation: ResponseObservation, tenant: str, prices: Prices) -> UsageRecord:
-    """The ledger record of a request the observer saw end (or saw the client abandon)."""
-    usage = observation.usage()
+def usage_record(observation: ResponseObservation, tenant: str, prices: Prices, usage: Usage | None = None,
+                 estimated: bool = False) -> UsageRecord:
+    """The ledger record of a request the observer saw end (or saw the client abandon); ``usage``
+    defaults to what the pod reported."""
+    usage = usage if usage is not None else observation.usage()
     input_tokens, output_tokens, cached = (usage.input_tokens, usage.output_tokens, usage.cached_tokens) \
         if usage is not None else (0, 0, 0)
     end = observation.finished_at or time.monotonic()
@@ -233,7 +236,7 @@ def usage_record(observation: ResponseObservation, tenant: str, prices: Prices) 
         cost_usd=round(prices.cost(input_tokens, output_tokens, cached), 9),
         latency_ms=round((end - observation.started) * 1000, 3),
         ttft_ms=round((first - observation.started) * 1000, 3) if first is not None else None,
-        stream=observation.streamed, complete=observation.complete,
+        stream=observation.streamed, complete=observation.complete, usage_estimated=estimated,
     )
 
 

@@ -8,7 +8,7 @@ is at the end: the ``usage`` object of a JSON body, or of the last SSE chunk whe
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import orjson
@@ -116,6 +116,8 @@ class ResponseObservation:
     body_bytes: int = 0
     chunks: int = 0
     tail: bytearray = field(default_factory=bytearray, repr=False)
+    deltas: list[str] = field(default_factory=list, repr=False)  # generated text of a stream
+    _partial: bytearray = field(default_factory=bytearray, repr=False)  # an SSE line cut by a chunk
 
     def on_response_headers(self, headers: Mapping[str, str], end_of_stream: bool) -> None:
         """Status, identity (Envoy copies x-request-id and traceparent onto the response) and body kind."""
@@ -145,8 +147,38 @@ class ResponseObservation:
             self.tail += chunk
             if len(self.tail) > TAIL_BYTES:
                 del self.tail[: len(self.tail) - TAIL_BYTES]
+            if self.streamed:
+                self._collect_deltas(chunk)
         if end_of_stream:
             self.finished_at = now
+
+    def _collect_deltas(self, chunk: bytes) -> None:
+        """Keep the generated text of an SSE stream, for counting when the pod reports no usage."""
+        self._partial += chunk
+        *lines, rest = bytes(self._partial).split(b"\n")
+        self._partial = bytearray(rest)
+        for line in lines:
+            if not line.startswith(b"data: {"):
+                continue
+            try:
+                event = orjson.loads(line[6:])
+            except orjson.JSONDecodeError:
+                continue
+            for choice in event.get("choices") or ():
+                if not isinstance(choice, dict):
+                    continue
+                delta = choice.get("delta")
+                text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+                if isinstance(text, str) and text:
+                    self.deltas.append(text)
+
+    def final_usage(self, count_text: Callable[[str], int], input_estimate: int) -> tuple[Usage | None, bool]:
+        """The pod's usage; else, for a stream without a usage chunk, the streamed text counted with
+        ``count_text`` and the gateway's input estimate. The flag says whether it was estimated."""
+        reported = self.usage()
+        if reported is not None or not self.deltas:
+            return reported, False
+        return Usage(input_estimate, count_text("".join(self.deltas))), True
 
     @property
     def complete(self) -> bool:
@@ -157,9 +189,10 @@ class ResponseObservation:
         """The usage the pod reported, if the body carried one."""
         return find_usage(bytes(self.tail))
 
-    def record(self) -> dict[str, object]:
-        """A flat record for the access log (GenAI semantic-convention names where they exist)."""
-        usage = self.usage()
+    def record(self, usage: Usage | None = None, estimated: bool = False) -> dict[str, object]:
+        """A flat record for the access log (GenAI semantic-convention names where they exist);
+        ``usage`` defaults to what the pod reported."""
+        usage = usage if usage is not None else self.usage()
         end = self.finished_at or time.monotonic()
         return {
             "request_id": self.request_id,
@@ -174,6 +207,7 @@ class ResponseObservation:
             "gen_ai.usage.input_tokens": usage.input_tokens if usage else None,
             "gen_ai.usage.output_tokens": usage.output_tokens if usage else None,
             "llmgw.usage.cached_tokens": usage.cached_tokens if usage else None,
+            "llmgw.usage.estimated": estimated,
             "llmgw.time_to_first_byte_ms": round((self.first_byte_at - self.started) * 1000, 2)
             if self.first_byte_at else None,
             "llmgw.duration_ms": round((end - self.started) * 1000, 2),

@@ -29,7 +29,7 @@ from extproc.config import LEDGER_PATH_ENV, QUOTA_PATH_ENV, ConfigError, Gateway
 from extproc.decisions import PASS_THROUGH, Admit, Decision, Reply
 from extproc.gateway import Gateway, RequestState
 from extproc.ledger import FileLedger, LedgerSink, RedisLedger, usage_record
-from extproc.observer import ResponseObservation
+from extproc.observer import ResponseObservation, Usage
 from extproc.phases import Phase, ProtocolError, Stage, advance, check
 from extproc.quota import FallbackStore, MemoryStore, OnStoreError, QuotaStore, StoreUnavailable
 from extproc.quota.redis_store import RedisStore
@@ -149,17 +149,19 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         elif not state.settled:
             state.lease = renewed
 
-    def _settle_with_usage(self, state: RequestState, observation: ResponseObservation) -> None:
-        usage = observation.usage()
-        lease = self.gateway.settle(state, usage)
-        if lease is not None:
-            self._spawn(self.store.release(lease, usage.total if usage is not None else None))
-
     def _finished(self, observation: ResponseObservation) -> None:
-        """One access-log line and, for a request that reached a pod, one ledger record."""
-        _log_access(observation)
+        """The response ended (or the client left): settle the lease with the usage, write one
+        access-log line and, for a request that reached a pod, one ledger record."""
+        state = self.gateway.active(observation.span_id) if observation.span_id else None
+        usage, estimated = self.gateway.usage_of(state, observation) if state else (observation.usage(), False)
+        if state is not None:
+            lease = self.gateway.settle(state, usage)
+            if lease is not None:
+                self._spawn(self.store.release(lease, usage.total if usage is not None else None))
+        _log_access(observation, usage, estimated)
         if self.ledger is not None and observation.prices is not None:
-            self._spawn(self.ledger.append(usage_record(observation, observation.tenant, observation.prices)))
+            record = usage_record(observation, observation.tenant, observation.prices, usage, estimated)
+            self._spawn(self.ledger.append(record))
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -178,10 +180,6 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                                    state.tenant.name if state.tenant else "", model.prices if model else None)
         elif phase is Phase.RESPONSE_BODY:
             observation.on_response_body(message.response_body.body, message.response_body.end_of_stream)
-        if observation.complete:
-            state = self.gateway.active(observation.span_id)
-            if state is not None:
-                self._settle_with_usage(state, observation)
 
     def _decide(self, state: RequestState, phase: Phase, message: pb.ProcessingRequest
                 ) -> tuple[Decision | Admit, bool]:
@@ -202,9 +200,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             return Reply.error(_INTERNAL_ERROR, state.identity_headers()), True
 
 
-def _log_access(observation: ResponseObservation) -> None:
-    if access_log.isEnabledFor(logging.INFO):  # building the record costs a usage parse
-        access_log.info("%s", orjson.dumps(observation.record()).decode())
+def _log_access(observation: ResponseObservation, usage: Usage | None, estimated: bool) -> None:
+    if access_log.isEnabledFor(logging.INFO):
+        access_log.info("%s", orjson.dumps(observation.record(usage, estimated)).decode())
 
 
 def build_store(config: GatewayConfig) -> QuotaStore:

