@@ -34,6 +34,8 @@ from extproc.launcher import (
     StackInfo,
     StackOptions,
     free_port,
+    node_state_env,
+    start_extproc_workers,
 )
 
 DEFAULT_CONFIG = "config/local.yaml"
@@ -138,17 +140,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if port == 0:
         port = free_port(host)
     group = ProcessGroup(Path(args.run_dir) / "logs")
+    shared = node_state_env(Path(args.run_dir).resolve())
+    shared.update({name: os.environ[name] for name in (QUOTA_PATH_ENV, LEDGER_PATH_ENV) if os.environ.get(name)})
     try:
-        for i in range(workers):
-            child = group.spawn(f"extproc-{i + 1}", [sys.executable, "-m", "extproc.server", "--config",
-                                                   args.config, "--host", host, "--port", str(port),
-                                                   "--log-level", args.log_level],
-                                env={QUOTA_PATH_ENV: os.environ.get(QUOTA_PATH_ENV)
-                                     or str(Path(args.run_dir).resolve() / "quota.sqlite"),
-                                     LEDGER_PATH_ENV: os.environ.get(LEDGER_PATH_ENV)
-                                     or str(Path(args.run_dir).resolve() / "usage.jsonl")})
-        for child in group.children:
-            group.wait_ready_line(child, 20)
+        start_extproc_workers(group, args.config, host, port, workers, args.log_level, shared, 20)
     except ChildFailed as error:
         console.print(f"[red]{error}[/red]")
         group.stop()

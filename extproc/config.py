@@ -321,10 +321,7 @@ def _compile_keys(tenants: list[TenantSpec], env: Any) -> dict[bytes, Tenant]:
         for j, key in enumerate(spec.keys):
             where = f"tenants[{i}].keys[{j}]"
             if key.env is not None:
-                value = env.get(key.env)
-                if not value:
-                    raise ConfigError(f"{where}.env: environment variable {key.env} is not set")
-                digest = hash_key(value)
+                digest = hash_key(_env_value(env, key.env, f"{where}.env"))
             else:
                 digest = bytes.fromhex(key.sha256 or "")
             if digest in table:
@@ -333,14 +330,18 @@ def _compile_keys(tenants: list[TenantSpec], env: Any) -> dict[bytes, Tenant]:
     return table
 
 
+def _env_value(env: Any, name: str, where: str) -> str:
+    value = env.get(name)
+    if not value:
+        raise ConfigError(f"{where}: environment variable {name} is not set")
+    return str(value)
+
+
 def _read_credential(spec: CredentialSpec | None, path: str, env: Any) -> str | None:
     if spec is None:
         return None
     if spec.env is not None:
-        value = env.get(spec.env)
-        if not value:
-            raise ConfigError(f"{path}.env: environment variable {spec.env} is not set")
-        return value
+        return _env_value(env, spec.env, f"{path}.env")
     assert spec.file is not None
     try:
         return Path(spec.file).read_text().strip()

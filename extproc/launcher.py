@@ -162,6 +162,25 @@ class ProcessGroup:
         self.children.clear()
 
 
+def node_state_env(run_dir: Path) -> dict[str, str]:
+    """Where a node's extproc workers keep what they share without Redis: quotas and the ledger."""
+    return {QUOTA_PATH_ENV: str(run_dir / "quota.sqlite"), LEDGER_PATH_ENV: str(run_dir / "usage.jsonl")}
+
+
+def start_extproc_workers(group: ProcessGroup, config_path: str | Path, host: str, port: int, count: int,
+                          log_level: str, env: dict[str, str], ready_timeout: float) -> None:
+    """Start ``count`` extproc worker processes sharing ``host:port`` and wait until each is ready."""
+    started = [
+        group.spawn(f"extproc-{i + 1}", [
+            sys.executable, "-m", "extproc.server", "--config", str(config_path),
+            "--host", host, "--port", str(port), "--log-level", log_level,
+        ], env=env)
+        for i in range(count)
+    ]
+    for child in started:
+        group.wait_ready_line(child, ready_timeout)
+
+
 def wait_http_ok(url: str, timeout: float, child: Child | None = None) -> None:
     """Poll ``url`` until it answers 200 (Envoy admin ``/ready``)."""
     deadline = time.monotonic() + timeout
@@ -240,14 +259,8 @@ class LocalStack:
 
         workers = opts.workers or spec.server.workers or os.cpu_count() or 1
         extproc_port = free_port()
-        for i in range(workers):
-            self.group.spawn(f"extproc-{i + 1}", [
-                sys.executable, "-m", "extproc.server", "--config", str(config_path),
-                "--host", "127.0.0.1", "--port", str(extproc_port), "--log-level", opts.log_level,
-            ], env={QUOTA_PATH_ENV: str(opts.run_dir / "quota.sqlite"),  # one store for the node's workers
-                    LEDGER_PATH_ENV: str(opts.run_dir / "usage.jsonl"), **opts.env})
-        for child in list(self.group.children[-workers:]):
-            self.group.wait_ready_line(child, opts.ready_timeout)
+        start_extproc_workers(self.group, config_path, "127.0.0.1", extproc_port, workers, opts.log_level,
+                              {**node_state_env(opts.run_dir), **opts.env}, opts.ready_timeout)
 
         admin_port = free_port()
         rendered = envoyconf.render(
