@@ -27,6 +27,7 @@ from extproc.config import (
     load_config,
     load_spec,
 )
+from extproc.keys import add_keys_commands
 from extproc.launcher import (
     ChildFailed,
     LocalStack,
@@ -262,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     keygen = commands.add_parser("keygen", help="make an API key; prints the config lines with its hash")
     keygen.add_argument("--tenant", default="my-team")
     keygen.set_defaults(handler=cmd_keygen)
+
+    add_keys_commands(commands)  # llmgw keys add|revoke|list: keys in Redis (extproc/keys.py)
 
     usage = commands.add_parser("usage", help="usage and cost totals per tenant and model, from the ledger")
     usage.add_argument("--tenant", default=None)

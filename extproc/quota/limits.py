@@ -139,6 +139,12 @@ class Lease:
     admitted_ms: int  # the store's clock
     expires_ms: int
     store: str  # the name of the store that issued it (a fallback wrapper routes by it)
+    holds_slot: bool = True  # a concurrency limit counts it: its release must not wait
+
+    @property
+    def urgent(self) -> bool:
+        """Whether releasing it frees something another request may be waiting for."""
+        return self.holds_slot
 
 
 @dataclass(frozen=True, slots=True)

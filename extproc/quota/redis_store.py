@@ -20,10 +20,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import replace
 
-import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 
 from extproc.quota.limits import (
     Admission,
@@ -31,10 +28,16 @@ from extproc.quota.limits import (
     Figure,
     Lease,
     LimitKind,
+    Limits,
     Quota,
     scopes_of,
 )
+from extproc.quota.resp import PipelinedConnection, RedisReplyError
 from extproc.quota.store import StoreUnavailable, tag
+
+# A settlement that frees nothing another request waits for (no concurrency slot) may wait this
+# long to share a write with others.
+SETTLE_BATCH_S = 0.05
 
 # Shared by the scripts: the clock and the window constants of extproc.quota.limits.
 _PRELUDE = """
@@ -232,30 +235,30 @@ OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
 
 
 class RedisStore:
-    """The shared quota store: every admission, reconciliation and release is one EVALSHA."""
+    """The shared quota store: every admission, reconciliation and release is one EVALSHA.
+
+    The scripts travel over one pipelined connection (``extproc.quota.resp``): the calls of one
+    event-loop turn leave in one write. Settlements that free no concurrency slot may wait up to
+    ``settle_batch_s`` to share a write with others. Each script stays atomic on its own.
+    """
 
     name = "redis"
 
-    def __init__(self, client: aioredis.Redis, *, lease_ttl_s: float = 60.0, prefix: str = "llmgw:quota") -> None:
-        self.client = client
+    def __init__(self, connection: PipelinedConnection, *, lease_ttl_s: float = 60.0,
+                 prefix: str = "llmgw:quota") -> None:
+        self.connection = connection
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self.prefix = prefix
         self._sha = {script: hashlib.sha1(script.encode()).hexdigest() for script in (ADMIT, SETTLE, RENEW)}
 
     @classmethod
-    def from_url(cls, url: str, *, timeout_s: float = 0.5, max_connections: int = 32,
-                 lease_ttl_s: float = 60.0) -> RedisStore:
-        """A store on ``redis://host:port/db``; a call that takes over ``timeout_s`` is an outage.
-
-        Calls beyond ``max_connections`` wait (up to ``timeout_s``) for a free connection.
-        """
-        # One immediate retry on a broken connection (a pooled socket that a Redis restart closed);
-        # none on a timeout, where the script may have run: a retry would charge the request twice.
-        retry = Retry(NoBackoff(), 1, supported_errors=(redis_errors.ConnectionError,))
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=timeout_s, socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s, retry=retry)
-        return cls(aioredis.Redis.from_pool(pool), lease_ttl_s=lease_ttl_s)  # the client owns and closes the pool
+    def from_url(cls, url: str, *, timeout_s: float = 0.5, lease_ttl_s: float = 60.0,
+                 settle_batch_s: float = SETTLE_BATCH_S) -> RedisStore:
+        """A store on ``redis://[user:password@]host:port/db`` (or ``rediss://``, ``unix://``); a
+        call without a reply within ``timeout_s`` is an outage."""
+        connection = PipelinedConnection(url, timeout_s=timeout_s, connect_timeout_s=timeout_s,
+                                          batch_s=settle_batch_s)
+        return cls(connection, lease_ttl_s=lease_ttl_s)
 
     def _keys(self, tenant: str, qos: str, suffixes: Sequence[str]) -> list[str]:
         base = f"{self.prefix}:{{{tag(tenant)}}}"
@@ -264,15 +267,17 @@ class RedisStore:
             keys += [f"{base}:{scope}:{suffix}" for suffix in suffixes]
         return keys
 
-    async def _run(self, script: str, keys: list[str], args: list[str | int]) -> object:
+    async def _run(self, script: str, keys: list[str], args: list[str | int], *, later: bool = False) -> object:
         sha = self._sha[script]
         try:
             try:
-                return await self.client.evalsha(sha, len(keys), *keys, *args)
-            except redis_errors.NoScriptError:
+                return await self.connection.call("EVALSHA", sha, len(keys), *keys, *args, later=later)
+            except RedisReplyError as error:
+                if not str(error).startswith("NOSCRIPT"):
+                    raise
                 # After a restart, failover or SCRIPT FLUSH the server has forgotten the script.
-                await self.client.script_load(script)
-                return await self.client.evalsha(sha, len(keys), *keys, *args)
+                await self.connection.call("SCRIPT", "LOAD", script)
+                return await self.connection.call("EVALSHA", sha, len(keys), *keys, *args)
         except OUTAGE_ERRORS as error:
             raise StoreUnavailable(f"redis: {type(error).__name__}: {error}") from error
 
@@ -295,13 +300,14 @@ class RedisStore:
             return Decision(False, tuple(figures), LimitKind(kind), scopes[scope - 1][0],
                             None if retry < 0 else retry)
         lease = Lease(admission.tenant, admission.qos, admission.lease_id, admission.reserve_tokens,
-                      now, now + self.lease_ttl_ms, self.name)
+                      now, now + self.lease_ttl_ms, self.name, holds_slot=_holds_slot(scopes))
         return Decision(True, tuple(figures), lease=lease)
 
     async def _settle(self, lease: Lease, actual_tokens: int | None, free: bool) -> None:
         args: list[str | int] = [lease.lease_id, -1 if actual_tokens is None else actual_tokens,
                                  lease.admitted_ms, int(free)]
-        await self._run(SETTLE, self._keys(lease.tenant, lease.qos, ("tk", "ls", "dy")), args)
+        await self._run(SETTLE, self._keys(lease.tenant, lease.qos, ("tk", "ls", "dy")), args,
+                        later=not lease.urgent)
 
     async def reconcile(self, lease: Lease, actual_tokens: int) -> None:
         """See ``QuotaStore.reconcile``."""
@@ -319,5 +325,9 @@ class RedisStore:
         return replace(lease, expires_ms=expires) if expires else None
 
     async def close(self) -> None:
-        """See ``QuotaStore.close``."""
-        await self.client.aclose()
+        """See ``QuotaStore.close``: send what is queued, then close the connection."""
+        await self.connection.close()
+
+
+def _holds_slot(scopes: Sequence[tuple[str, Limits]]) -> bool:
+    return any(limits.concurrency is not None for _, limits in scopes)

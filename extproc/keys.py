@@ -1,0 +1,476 @@
+"""API keys kept in Redis, answered from an in-process snapshot that every replica keeps current.
+
+Redis holds only SHA-256 digests, never a key in clear. Three keys share the hash tag ``{keys}``,
+so one Lua script changes them together, also on a Redis Cluster:
+
+- ``llmgw:keys:{keys}``: HASH, digest hex -> tenant name (the table);
+- ``llmgw:keys:{keys}:version``: a counter that every change bumps;
+- ``llmgw:keys:{keys}:log``: STREAM of the last ~10,000 changes, entry ID ``<version>-0``.
+
+Each process polls the counter (``watch``: one ``GET`` a second). When it moved, the process
+applies the log entries since its own version to a copy of its snapshot, or, when the log no
+longer reaches back that far (a long outage, a lost Redis), reloads the whole table (``HSCAN``
+in batches, yielding to the event loop between them). The request path asks the immutable
+``KeySnapshot`` in memory (Bloom filter first) and never talks to Redis: a flood of random keys
+costs no Redis command, and a revocation reaches every replica within about one poll interval.
+
+While Redis is unreachable the last snapshot is kept: a key revoked just before the outage, or
+during a partition that hides Redis from this replica only, stays valid until Redis answers
+again. With ``max_stale_s`` set, an outage that long replaces the snapshot with an empty one
+instead: Redis-held keys are refused (fail closed) until Redis is back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import logging
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import NoReturn, TypeVar
+
+from redis import asyncio as aioredis
+from redis import exceptions as redis_errors
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from extproc.cache.bloom import DEFAULT_BITS, BloomFilter
+from extproc.config import _NAME as TENANT_NAME  # the config's own rule for tenant names
+from extproc.config import hash_key
+
+log = logging.getLogger("llmgw.keys")
+
+PREFIX = "llmgw:keys"
+REDIS_URL_ENV = "LLMGW_REDIS_URL"
+DIGEST_BYTES = 32  # SHA-256
+BITS_PER_KEY = 64  # Bloom filter bits per key: ~1e-4 false positives with k=3
+MAX_FALSE_POSITIVES = 1e-3  # past this (keys added since the last reload), reload to resize the filter
+SCAN_BATCH = 2_000  # HSCAN COUNT of a reload: the most entries parsed between two awaits
+LOG_LENGTH = 10_000  # changes kept in the log (approximately: XADD MAXLEN ~)
+NO_VERSION = -1  # the empty snapshot's version: any version read from Redis differs
+T = TypeVar("T")
+
+
+class KeyConflict(Exception):
+    """The key is already granted to another tenant (move it by revoking it first)."""
+
+
+# -- pure core: digests, snapshots, changes -------------------------------------------------------
+
+
+def digest_of(key_or_digest: str | bytes) -> bytes:
+    """The SHA-256 digest a key is stored under: ``bytes`` is a digest already, ``str`` a key in clear."""
+    if isinstance(key_or_digest, bytes):
+        if len(key_or_digest) != DIGEST_BYTES:
+            raise ValueError(f"a key digest is {DIGEST_BYTES} bytes (SHA-256), not {len(key_or_digest)}")
+        return key_or_digest
+    if not key_or_digest:
+        raise ValueError("empty API key")
+    return hash_key(key_or_digest)
+
+
+def parse_digest_hex(text: str) -> bytes:
+    """A digest from its 64 hex digits (``llmgw keys revoke --sha256``, the fields in Redis)."""
+    try:
+        digest = bytes.fromhex(text)
+    except ValueError:
+        raise ValueError("a key digest is 64 hex digits (SHA-256)") from None
+    if len(digest) != DIGEST_BYTES:
+        raise ValueError(f"a key digest is {2 * DIGEST_BYTES} hex digits (SHA-256), not {len(text)}")
+    return digest
+
+
+def check_tenant_name(tenant: str) -> str:
+    """``tenant`` if it is a valid tenant name (the config's rule), else ValueError."""
+    if not TENANT_NAME.match(tenant):
+        raise ValueError(f"tenant name {tenant!r} must match {TENANT_NAME.pattern}")
+    return tenant
+
+
+def bloom_bits(count: int) -> int:
+    """Bloom filter size for ``count`` keys: 1 MiB, or more so each key has ``BITS_PER_KEY`` bits."""
+    bits = DEFAULT_BITS
+    while bits < count * BITS_PER_KEY:
+        bits *= 2
+    return bits
+
+
+@dataclass(frozen=True, slots=True)
+class KeySnapshot:
+    """The key table as of one version in Redis: read by the request path, swapped whole."""
+
+    by_digest: MappingProxyType[bytes, str] = field(repr=False)  # SHA-256 digest -> tenant name
+    # Holds every digest of ``by_digest``, and possibly revoked ones until the next full reload:
+    # a Bloom filter cannot forget, and a "maybe" is settled by ``by_digest`` anyway.
+    bloom: BloomFilter = field(repr=False)
+    version: int
+
+    @classmethod
+    def empty(cls) -> KeySnapshot:
+        """No keys: before the first load, or after ``max_stale_s`` without Redis."""
+        return cls(MappingProxyType({}), BloomFilter(bits=64), NO_VERSION)
+
+    def tenant_name(self, digest: bytes) -> str | None:
+        """The tenant a key digest belongs to; the Bloom filter answers most unknown keys."""
+        if digest not in self.bloom:
+            return None
+        return self.by_digest.get(digest)
+
+    def __len__(self) -> int:
+        return len(self.by_digest)
+
+
+class SnapshotBuilder:
+    """Collects the table batch by batch (so a reload yields to the event loop between batches)."""
+
+    def __init__(self, version: int, expected: int = 0) -> None:
+        self.version = version
+        self.skipped = 0  # fields that are not a digest, or names that are not a tenant name
+        self._table: dict[bytes, str] = {}
+        # Raw name as Redis sent it -> checked name: each tenant is decoded and checked once, and
+        # all its keys share one str object.
+        self._names: dict[bytes | str, str] = {}
+        self._bloom = BloomFilter(bits=bloom_bits(expected))
+
+    def add(self, entries: Iterable[tuple[bytes | str, bytes | str]]) -> None:
+        """Add (digest hex, tenant name) pairs as Redis returns them; malformed ones are skipped."""
+        for raw_digest, raw_name in entries:
+            try:
+                name = self._names.get(raw_name)
+                if name is None:
+                    checked = check_tenant_name(raw_name.decode() if isinstance(raw_name, bytes) else raw_name)
+                    name = self._names[raw_name] = self._names.setdefault(checked, checked)
+                digest = parse_digest_hex(raw_digest.decode() if isinstance(raw_digest, bytes) else raw_digest)
+            except (ValueError, UnicodeDecodeError):
+                self.skipped += 1
+                continue
+            if digest not in self._table:  # HSCAN may return a field twice
+                self._bloom.add(digest)
+            self._table[digest] = name
+
+    def build(self) -> KeySnapshot:
+        """The immutable snapshot."""
+        return KeySnapshot(MappingProxyType(self._table), self._bloom, self.version)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyChange:
+    """One entry of the change log: a key granted to a tenant, or revoked (``tenant`` None)."""
+
+    version: int
+    digest: bytes
+    tenant: str | None
+
+
+def parse_log_entry(entry_id: bytes | str, fields: Mapping[bytes, bytes]) -> KeyChange:
+    """A log entry as XRANGE returns it (ID ``<version>-0``, fields ``d`` and ``t``); ValueError if malformed."""
+    raw_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    version, _, sequence = raw_id.partition("-")
+    if sequence != "0" or b"d" not in fields or b"t" not in fields:
+        raise ValueError(f"not a key-table change: {raw_id}")
+    tenant = fields[b"t"].decode()
+    return KeyChange(int(version), parse_digest_hex(fields[b"d"].decode()), check_tenant_name(tenant) if tenant else None)
+
+
+def apply_changes(snapshot: KeySnapshot, changes: Sequence[KeyChange]) -> KeySnapshot | None:
+    """``snapshot`` with ``changes`` applied (a new snapshot; the old one is untouched).
+
+    None when they do not follow on from its version (the log was trimmed or lost: reload the
+    table) or when the keys added since the last reload crowd the Bloom filter (reload to resize).
+    """
+    if not changes or any(change.version != snapshot.version + i for i, change in enumerate(changes, 1)):
+        return None
+    table = snapshot.by_digest.copy()  # a dict; dict(proxy) would copy item by item, ~6x slower
+    bloom = copy.deepcopy(snapshot.bloom)
+    for change in changes:
+        if change.tenant is None:
+            table.pop(change.digest, None)
+        else:
+            if change.digest not in bloom:
+                bloom.add(change.digest)
+            table[change.digest] = change.tenant
+    if bloom.false_positive_rate() > MAX_FALSE_POSITIVES:
+        return None
+    return KeySnapshot(MappingProxyType(table), bloom, changes[-1].version)
+
+
+# -- Redis shell ------------------------------------------------------------------------------------
+
+# Every change bumps the version and logs itself in the same atomic step. A missing counter (a new
+# table, or a Redis that lost its data) starts from the caller's clock in milliseconds, so that a
+# counter rebuilt after data loss does not come back to a version some replica already holds.
+# KEYS: table, version, log. ARGV: digest hex, tenant, clock ms, log length.
+# A log ahead of the counter (a counter reset by hand) cannot take the entry: it is dropped and
+# started again, and watchers, finding no entry that follows theirs, reload the table.
+_BUMP = """
+if redis.call('EXISTS', KEYS[2]) == 0 then redis.call('SET', KEYS[2], ARGV[3]) end
+local id = string.format('%d-0', redis.call('INCR', KEYS[2]))
+local logged = redis.pcall('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], id, 'd', ARGV[1], 't', ARGV[2])
+if type(logged) == 'table' and logged.err then
+  redis.call('DEL', KEYS[3])
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], id, 'd', ARGV[1], 't', ARGV[2])
+end
+"""
+ADD = """
+local owner = redis.call('HGET', KEYS[1], ARGV[1])
+if owner == ARGV[2] then return {0} end
+if owner then return {-1, owner} end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+""" + _BUMP + "return {1}\n"
+REVOKE = """
+if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+""" + _BUMP + "return 1\n"
+
+# A Redis outage as redis-py reports it, or a table broken by hand (a version that is not a
+# number, a key of the wrong type): the watcher logs it once and keeps its snapshot.
+WATCH_ERRORS: tuple[type[BaseException], ...] = (redis_errors.RedisError, OSError, TimeoutError, ValueError)
+
+
+class RedisKeyTable:
+    """The key table in Redis: changed by ``llmgw keys``, watched by every gateway process."""
+
+    def __init__(self, client: aioredis.Redis, *, prefix: str = PREFIX, log_length: int = LOG_LENGTH) -> None:
+        self.client = client
+        self.table = f"{prefix}:{{keys}}"
+        self.version_key = f"{self.table}:version"
+        self.log_key = f"{self.table}:log"
+        self.log_length = log_length
+        self._add = client.register_script(ADD)
+        self._revoke = client.register_script(REVOKE)
+
+    @classmethod
+    def from_url(cls, url: str, *, timeout_s: float = 1.0, prefix: str = PREFIX) -> RedisKeyTable:
+        """A table on ``redis://host:port/db``; a call over ``timeout_s`` counts as an outage."""
+        # One immediate retry on a broken connection (a pooled socket that a Redis restart closed).
+        retry = Retry(NoBackoff(), 1, supported_errors=(redis_errors.ConnectionError,))
+        client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                         retry=retry, max_connections=4)
+        return cls(client, prefix=prefix)
+
+    async def aclose(self) -> None:
+        """Close the client and its connections."""
+        await self.client.aclose()
+
+    def _change_args(self, digest: bytes, tenant: str) -> list[str | int]:
+        return [digest.hex(), tenant, time.time_ns() // 1_000_000, self.log_length]
+
+    async def add(self, key_or_digest: str | bytes, tenant: str) -> bool:
+        """Grant a key (``str``: in clear, hashed here; ``bytes``: its digest) to ``tenant``.
+
+        True when added, False when the tenant already had it; KeyConflict when another tenant has it.
+        """
+        digest = digest_of(key_or_digest)
+        reply = await self._add(keys=[self.table, self.version_key, self.log_key],
+                                args=self._change_args(digest, check_tenant_name(tenant)))
+        assert isinstance(reply, list)
+        if int(reply[0]) < 0:
+            owner = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
+            raise KeyConflict(f"key {digest.hex()[:12]} already belongs to tenant {owner!r}; revoke it first")
+        return int(reply[0]) == 1
+
+    async def revoke(self, key_or_digest: str | bytes) -> bool:
+        """Withdraw a key (``str``: in clear; ``bytes``: its digest); False when it was not there."""
+        digest = digest_of(key_or_digest)
+        reply = await self._revoke(keys=[self.table, self.version_key, self.log_key],
+                                   args=self._change_args(digest, ""))
+        return int(reply) == 1
+
+    async def list(self) -> dict[str, str]:
+        """Every key as digest hex -> tenant name (no key is ever stored in clear)."""
+        return {digest.hex(): tenant for digest, tenant in (await self.snapshot()).by_digest.items()}
+
+    async def version(self) -> int:
+        """The table's version counter (0 for a table that never changed)."""
+        raw = await self.client.get(self.version_key)
+        return int(raw) if raw is not None else 0
+
+    async def snapshot(self) -> KeySnapshot:
+        """Load the whole table (HSCAN in batches) into a snapshot.
+
+        The version is read before the scan: a change made during the scan bumps the counter past
+        it, so the next ``refresh`` applies it again (harmless), and none is ever missed.
+        """
+        async with self.client.pipeline(transaction=True) as pipe:
+            version_raw, size = await pipe.get(self.version_key).hlen(self.table).execute()
+        builder = SnapshotBuilder(int(version_raw) if version_raw is not None else 0, int(size))
+        cursor = 0
+        while True:
+            cursor, batch = await self.client.hscan(self.table, cursor, count=SCAN_BATCH)
+            builder.add(batch.items())
+            if cursor == 0:
+                break
+        if builder.skipped:
+            log.warning("API keys: %d malformed entries in %s ignored", builder.skipped, self.table)
+        return builder.build()
+
+    async def changes_since(self, version: int) -> list[KeyChange]:
+        """The logged changes after ``version``, oldest first (at most ``log_length``)."""
+        entries = await self.client.xrange(self.log_key, min=f"{version + 1}-0", count=self.log_length)
+        return [parse_log_entry(entry_id, fields) for entry_id, fields in entries]
+
+    async def refresh(self, current: KeySnapshot | None) -> KeySnapshot:
+        """The table now: ``current`` itself when unchanged, else ``current`` with the logged
+        changes applied, else (no ``current``, log trimmed, table lost) the whole table reloaded."""
+        if current is not None:
+            version = await self.version()
+            if version == current.version:
+                return current
+            if version > current.version:
+                try:
+                    updated = apply_changes(current, await self.changes_since(current.version))
+                except ValueError as error:  # an entry not written by this module
+                    log.warning("API keys: unreadable change log (%s); reloading the table", error)
+                    updated = None
+                if updated is not None:
+                    log.debug("API keys: version %d applied from the change log", updated.version)
+                    return updated
+        fresh = await self.snapshot()
+        log.info("API keys: %d keys loaded from Redis (version %d)", len(fresh), fresh.version)
+        return fresh
+
+    async def watch(self, on_change: Callable[[KeySnapshot], None], interval_s: float = 1.0, *,
+                    max_stale_s: float | None = None) -> NoReturn:
+        """Call ``on_change`` with each new snapshot: the first load, then every version change.
+
+        Polls the version once per ``interval_s``; runs until cancelled. A Redis error is logged
+        once per outage and the last snapshot kept; with ``max_stale_s``, an outage that long hands
+        ``on_change`` an empty snapshot (no Redis-held key is valid) until Redis answers again.
+        ``on_change`` runs on the event loop and should only swap a reference.
+        """
+        current: KeySnapshot | None = None  # None: nothing loaded (yet, or since max_stale_s)
+        outage_since: float | None = None
+        while True:
+            try:
+                fresh = await self.refresh(current)
+                if fresh is not current:
+                    current = fresh
+                    on_change(current)
+                if outage_since is not None:
+                    log.warning("API keys: Redis answers again after %.1f s", time.monotonic() - outage_since)
+                    outage_since = None
+            except WATCH_ERRORS as error:
+                if outage_since is None:
+                    outage_since = time.monotonic()
+                    log.error("API keys: cannot read the key table (%s: %s); keeping the last snapshot "
+                              "(%d keys)", type(error).__name__, error, len(current) if current else 0)
+                if max_stale_s is not None and current is not None and time.monotonic() - outage_since >= max_stale_s:
+                    log.error("API keys: no Redis for %.0f s (max_stale_s); refusing Redis-held keys until "
+                              "it is back", max_stale_s)
+                    current = None
+                    on_change(KeySnapshot.empty())
+            await asyncio.sleep(interval_s)
+
+
+# -- llmgw keys ---------------------------------------------------------------------------------------
+
+
+def add_keys_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Declare ``llmgw keys add|revoke|list`` on the ``llmgw`` parser's subcommands."""
+    keys = subparsers.add_parser("keys", help="API keys kept in Redis (stored as SHA-256 digests only)")
+    actions = keys.add_subparsers(dest="keys_command", required=True)
+    redis_help = f"the Redis holding the key table (default ${REDIS_URL_ENV})"
+
+    add = actions.add_parser("add", help="grant a key to a tenant; without --key, make one and print it once")
+    add.add_argument("--tenant", required=True)
+    add.add_argument("--key", default=None, help="the key to grant ('-': read it from stdin); default: a new one")
+    add.add_argument("--redis-url", default=None, help=redis_help)
+    add.set_defaults(handler=cmd_keys_add)
+
+    revoke = actions.add_parser("revoke", help="withdraw a key; every gateway refuses it within seconds")
+    which = revoke.add_mutually_exclusive_group(required=True)
+    which.add_argument("--key", default=None, help="the key itself ('-': read it from stdin)")
+    which.add_argument("--sha256", default=None, help="the key's SHA-256 digest (64 hex digits)")
+    revoke.add_argument("--redis-url", default=None, help=redis_help)
+    revoke.set_defaults(handler=cmd_keys_revoke)
+
+    listing = actions.add_parser("list", help="key digests (first 12 hex digits) and their tenants")
+    listing.add_argument("--redis-url", default=None, help=redis_help)
+    listing.set_defaults(handler=cmd_keys_list)
+
+
+def _fail(message: str, code: int = 1) -> int:
+    print(f"llmgw keys: {message}", file=sys.stderr)
+    return code
+
+
+def _redis_url(args: argparse.Namespace) -> str | None:
+    return args.redis_url or os.environ.get(REDIS_URL_ENV) or None
+
+
+def _key_argument(value: str) -> str:
+    # '-' keeps the key out of the shell history and the process list.
+    return sys.stdin.readline().strip() if value == "-" else value
+
+
+async def _on_table(url: str, action: Callable[[RedisKeyTable], Awaitable[T]]) -> T:
+    table = RedisKeyTable.from_url(url, timeout_s=5.0)
+    try:
+        return await action(table)
+    finally:
+        await table.aclose()
+
+
+def _run(args: argparse.Namespace, action: Callable[[RedisKeyTable], Awaitable[T]]) -> tuple[T | None, int | None]:
+    """Run ``action`` on the table at the command's Redis; (result, None) or (None, exit code)."""
+    url = _redis_url(args)
+    if url is None:
+        return None, _fail(f"no Redis: pass --redis-url or set {REDIS_URL_ENV}", 2)
+    try:
+        return asyncio.run(_on_table(url, action)), None
+    except (redis_errors.RedisError, OSError) as error:
+        return None, _fail(f"Redis unreachable or refused the command ({type(error).__name__}: {error})")
+
+
+def cmd_keys_add(args: argparse.Namespace) -> int:
+    """``llmgw keys add``: grant a key to a tenant; a generated key is printed here, once, and nowhere else."""
+    from extproc.cli import new_api_key  # here: extproc.cli imports this module
+
+    generated = args.key is None
+    key = new_api_key() if generated else _key_argument(args.key)
+    try:
+        digest = digest_of(key)
+        check_tenant_name(args.tenant)
+    except ValueError as error:
+        return _fail(str(error), 2)
+    try:
+        added, code = _run(args, lambda table: table.add(digest, args.tenant))
+    except KeyConflict as error:
+        return _fail(str(error))
+    if code is not None:
+        return code
+    if generated:
+        print(f"# API key for tenant {args.tenant} (shown once; only its SHA-256 is stored): {key}")
+    state = "added" if added else "already granted"
+    print(f"{state}: {digest.hex()[:12]} -> {args.tenant}")
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    """``llmgw keys revoke``: withdraw a key given in clear or by its digest."""
+    try:
+        digest = digest_of(_key_argument(args.key)) if args.key is not None else parse_digest_hex(args.sha256)
+    except ValueError as error:
+        return _fail(str(error), 2)
+    removed, code = _run(args, lambda table: table.revoke(digest))
+    if code is not None:
+        return code
+    if not removed:
+        return _fail(f"no key {digest.hex()[:12]} in the table")
+    print(f"revoked: {digest.hex()[:12]}")
+    return 0
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    """``llmgw keys list``: the digests (first 12 hex digits) and tenants; keys are never stored."""
+    keys, code = _run(args, lambda table: table.list())
+    if code is not None or keys is None:
+        return code or 1
+    for digest_hex, tenant in sorted(keys.items(), key=lambda item: (item[1], item[0])):
+        print(f"{digest_hex[:12]}  {tenant}")
+    print(f"{len(keys)} keys")
+    return 0
