@@ -11,7 +11,7 @@ import hashlib
 import ipaddress
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -19,7 +19,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from extproc.cache.bloom import BloomFilter
-from extproc.quota.limits import Limits
+from extproc.quota.limits import UNLIMITED, Limits, Quota
 from extproc.pricing import Prices
 from extproc.resources import resolve_resource
 
@@ -126,6 +126,13 @@ class LimitsSpec(_Strict):
     daily_tokens: NonNegative | None = None  # input + output tokens per UTC day
 
 
+class BudgetSpec(_Strict):
+    """A tenant's spending budget in US dollars (costs from ``models[].price``); omitted = none."""
+
+    daily_usd: Annotated[float, Field(ge=0)] | None = None  # per UTC day
+    monthly_usd: Annotated[float, Field(ge=0)] | None = None  # per UTC calendar month
+
+
 class QuotaSpec(_Strict):
     """Where limits are counted and what happens when Redis is away."""
 
@@ -139,10 +146,21 @@ class TenantSpec(_Strict):
     """A tenant: who its API keys belong to, the QoS classes it may use and tags for accounting."""
 
     name: Annotated[str, Field(pattern=_NAME.pattern)]
-    keys: Annotated[list[KeySpec], Field(min_length=1)]
+    keys: list[KeySpec] = Field(default_factory=list)  # more may be stored in Redis (`llmgw keys add`)
     limits: LimitsSpec | None = None
-    qos: Annotated[list[str], Field(min_length=1)] = Field(default_factory=lambda: ["standard"])
+    # The QoS classes the tenant may ask for (header x-llmgw-qos); the first is its default.
+    qos: Annotated[list[Annotated[str, Field(pattern=_NAME.pattern)]], Field(min_length=1)] = Field(
+        default_factory=lambda: ["standard"])
+    qos_limits: dict[str, LimitsSpec] = Field(default_factory=dict)  # per class, on top of `limits`
+    budget: BudgetSpec | None = None
     tags: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _known_classes(self) -> TenantSpec:
+        for name in self.qos_limits:
+            if name not in self.qos:
+                raise ValueError(f"qos_limits.{name}: not one of this tenant's qos classes {self.qos}")
+        return self
 
 
 class ServerSpec(_Strict):
@@ -219,9 +237,17 @@ class Tenant:
     """A compiled tenant (its keys live only as digests in the key table)."""
 
     name: str
-    qos: tuple[str, ...]
+    qos: tuple[str, ...]  # the classes it may use; the first is its default
     tags: tuple[tuple[str, str], ...]
-    limits: Limits | None = None
+    limits: Limits | None = None  # its own limits and budgets (micro-dollars), if any
+    qos_limits: tuple[tuple[str, Limits], ...] = ()  # per class
+
+    def quota(self, qos: str) -> Quota | None:
+        """The limits an admission in class ``qos`` must pass; ``None`` when nothing limits it."""
+        class_limits = dict(self.qos_limits).get(qos)
+        if self.limits is None and class_limits is None:
+            return None
+        return Quota(self.limits or UNLIMITED, class_limits or UNLIMITED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +261,7 @@ class GatewayConfig:
     server: ServerSpec
     redis_url: str | None = field(repr=False)
     tenants_by_key: dict[bytes, Tenant] = field(default_factory=dict, repr=False)  # SHA-256 digest -> tenant
+    tenants_by_name: dict[str, Tenant] = field(default_factory=dict)
     key_filter: BloomFilter = field(default_factory=BloomFilter, repr=False)
     auth_required: bool = False
     quota: QuotaSpec = field(default_factory=QuotaSpec)
@@ -294,9 +321,13 @@ def compile_spec(spec: GatewaySpec, *, env: dict[str, str] | os._Environ[str]) -
     )
     by_name = {name: model for model in models for name in (model.name, *model.aliases)}
     redis_url = spec.redis_url or env.get("LLMGW_REDIS_URL") or None
-    keys = _compile_keys(spec.tenants, env)
+    tenants = {t.name: _compile_tenant(t) for t in spec.tenants}
+    keys = _compile_keys(spec.tenants, tenants, env)
+    for i, t in enumerate(spec.tenants):
+        if not t.keys and redis_url is None:
+            raise ConfigError(f"tenants[{i}].keys: empty, and no redis_url to hold keys added with `llmgw keys add`")
     return GatewayConfig(by_name, models, pools, spec.server.max_body_bytes, spec.server, redis_url,
-                         keys, BloomFilter(keys), bool(spec.tenants), spec.quota)
+                         keys, tenants, BloomFilter(keys), bool(spec.tenants), spec.quota)
 
 
 def _tokenizer_path(spec: str | None, where: str) -> Path | None:
@@ -313,11 +344,23 @@ def hash_key(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def _compile_keys(tenants: list[TenantSpec], env: Any) -> dict[bytes, Tenant]:
+MICRO = 1_000_000  # budgets are counted in micro-dollars
+
+
+def _compile_tenant(spec: TenantSpec) -> Tenant:
+    limits = Limits(**spec.limits.model_dump()) if spec.limits is not None else None
+    if spec.budget is not None and (spec.budget.daily_usd is not None or spec.budget.monthly_usd is not None):
+        daily, monthly = spec.budget.daily_usd, spec.budget.monthly_usd
+        limits = replace(limits or UNLIMITED, daily_cost=None if daily is None else round(daily * MICRO),
+                         monthly_cost=None if monthly is None else round(monthly * MICRO))
+    classes = tuple((name, Limits(**value.model_dump())) for name, value in spec.qos_limits.items())
+    return Tenant(spec.name, tuple(spec.qos), tuple(sorted(spec.tags.items())), limits, classes)
+
+
+def _compile_keys(specs: list[TenantSpec], tenants: dict[str, Tenant], env: Any) -> dict[bytes, Tenant]:
     table: dict[bytes, Tenant] = {}
-    for i, spec in enumerate(tenants):
-        limits = Limits(**spec.limits.model_dump()) if spec.limits is not None else None
-        tenant = Tenant(spec.name, tuple(spec.qos), tuple(sorted(spec.tags.items())), limits)
+    for i, spec in enumerate(specs):
+        tenant = tenants[spec.name]
         for j, key in enumerate(spec.keys):
             where = f"tenants[{i}].keys[{j}]"
             if key.env is not None:

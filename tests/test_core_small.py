@@ -124,8 +124,17 @@ def test_observation_keeps_a_bounded_tail() -> None:
         (lambda c: c["models"][1].update(aliases=["gpt-4o-mini"]), "models[1].aliases[0]: 'gpt-4o-mini' is already"),
         (lambda c: c["server"].update(max_body_bytes=-1), "server.max_body_bytes: Input should be greater than 0"),
         (lambda c: c.update(pools=[*c["pools"], dict(c["pools"][0])]), "pools[2].name: duplicate name 'general'"),
+        (lambda c: c.update(tenants=[{"name": "t", "keys": [{"env": "POOL_KEY"}], "qos": ["batch"],
+                                      "qos_limits": {"gold": {"rpm": 1}}}]),
+         "tenants[0]: qos_limits.gold: not one of this tenant's qos classes ['batch']"),
+        (lambda c: c.update(tenants=[{"name": "t", "keys": [{"env": "POOL_KEY"}], "budget": {"daily_usd": -1}}]),
+         "tenants[0].budget.daily_usd: Input should be greater than or equal to 0"),
+        (lambda c: c.update(tenants=[{"name": "t", "keys": [{"env": "POOL_KEY"}], "budget": {"weekly_usd": 1}}]),
+         "tenants[0].budget.weekly_usd: unknown field"),
+        (lambda c: c.update(tenants=[{"name": "t"}]), "tenants[0].keys: empty, and no redis_url"),
     ],
-    ids=["endpoint", "hostname", "unknown-field", "unknown-pool", "duplicate-alias", "negative-limit", "duplicate-pool"],
+    ids=["endpoint", "hostname", "unknown-field", "unknown-pool", "duplicate-alias", "negative-limit", "duplicate-pool",
+         "qos-limits-unknown-class", "negative-budget", "unknown-budget-period", "no-keys-anywhere"],
 )
 def test_config_errors_name_the_field(change, message: str) -> None:  # noqa: ANN001
     import copy

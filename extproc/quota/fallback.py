@@ -91,21 +91,21 @@ class FallbackStore:
         self.stats.lost_settlements += 1
         self._failed(error)
 
-    async def reconcile(self, lease: Lease, actual_tokens: int) -> None:
+    async def reconcile(self, lease: Lease, actual_tokens: int, actual_cost: int | None = None) -> None:
         """See ``QuotaStore.reconcile``; a primary that cannot be reached is counted, not raised."""
         if lease.store == self.local.name:
-            return await self.local.reconcile(lease, actual_tokens)
+            return await self.local.reconcile(lease, actual_tokens, actual_cost)
         try:
-            await self.primary.reconcile(lease, actual_tokens)
+            await self.primary.reconcile(lease, actual_tokens, actual_cost)
         except StoreUnavailable as error:
             self._lost(error)
 
-    async def release(self, lease: Lease, actual_tokens: int | None = None) -> None:
+    async def release(self, lease: Lease, actual_tokens: int | None = None, actual_cost: int | None = None) -> None:
         """See ``QuotaStore.release``; a primary lease that cannot be reached expires by its TTL."""
         if lease.store == self.local.name:
-            return await self.local.release(lease, actual_tokens)
+            return await self.local.release(lease, actual_tokens, actual_cost)
         try:
-            await self.primary.release(lease, actual_tokens)
+            await self.primary.release(lease, actual_tokens, actual_cost)
         except StoreUnavailable as error:
             self._lost(error)
 

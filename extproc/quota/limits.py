@@ -13,6 +13,9 @@ Algorithms (the Redis Lua script in ``redis_store`` mirrors these functions line
   requests under-reserved.
 * **Concurrency**: leases with an expiry; a live lease holds one slot until released or expired.
 * **Daily tokens**: one counter per UTC day (day number ``t // 86 400 s``), reset at midnight UTC.
+* **Spending budgets**: the cost (micro-dollars, from the model's prices) charged per UTC day and
+  per UTC calendar month. Like tokens, a request reserves its estimated cost and is reconciled to
+  the cost of its real usage.
 
 A request is admitted only if every limit of every scope (the tenant's, and its QoS class's)
 takes it; then all of them are charged at once, otherwise none.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from enum import IntEnum
 
 WINDOW_MS = 60_000
@@ -41,6 +45,13 @@ class LimitKind(IntEnum):
     TOKENS = 1  # per minute, input + output
     CONCURRENCY = 2  # requests in flight
     DAILY_TOKENS = 3  # per UTC day
+    DAILY_COST = 4  # micro-dollars per UTC day
+    MONTHLY_COST = 5  # micro-dollars per UTC calendar month
+
+    @property
+    def is_budget(self) -> bool:
+        """A spending budget (refused as ``insufficient_quota``), not a rate limit."""
+        return self in (LimitKind.DAILY_COST, LimitKind.MONTHLY_COST)
 
     @property
     def label(self) -> str:
@@ -56,15 +67,17 @@ class Limits:
     tpm: int | None = None
     concurrency: int | None = None
     daily_tokens: int | None = None
+    daily_cost: int | None = None  # micro-dollars
+    monthly_cost: int | None = None  # micro-dollars
 
     def __post_init__(self) -> None:
         for kind, value in zip(LimitKind, self.as_tuple(), strict=True):
             if value is not None and value < 0:
                 raise ValueError(f"{kind.label}: a limit cannot be negative ({value})")
 
-    def as_tuple(self) -> tuple[int | None, int | None, int | None, int | None]:
-        """The four limits in ``LimitKind`` order."""
-        return (self.rpm, self.tpm, self.concurrency, self.daily_tokens)
+    def as_tuple(self) -> tuple[int | None, ...]:
+        """The limits in ``LimitKind`` order."""
+        return (self.rpm, self.tpm, self.concurrency, self.daily_tokens, self.daily_cost, self.monthly_cost)
 
     def share(self, replicas: int) -> Limits:
         """This replica's share when each of ``replicas`` enforces the limits alone (at least 1 each).
@@ -100,8 +113,9 @@ class Quota:
 class Admission:
     """One request asking to start: who, in which QoS class, and how many tokens it reserves.
 
-    ``reserve_tokens`` is the estimated input plus the predicted output; ``lease_id`` is unique
-    per request (the request id) and names its concurrency lease and its charge.
+    ``reserve_tokens`` is the estimated input plus the predicted output, ``reserve_cost`` their
+    price in micro-dollars; ``lease_id`` is unique per request (the request id) and names its
+    concurrency lease and its charge.
     The store supplies the time (Redis uses its own clock), so no ``now`` travels here.
     """
 
@@ -109,12 +123,13 @@ class Admission:
     lease_id: str
     reserve_tokens: int
     qos: str = ""
+    reserve_cost: int = 0
 
     def __post_init__(self) -> None:
         if not self.tenant or not self.lease_id:
             raise ValueError("an admission needs a tenant and a lease id")
-        if self.reserve_tokens < 0:
-            raise ValueError(f"reserve_tokens cannot be negative ({self.reserve_tokens})")
+        if self.reserve_tokens < 0 or self.reserve_cost < 0:
+            raise ValueError(f"reservations cannot be negative ({self.reserve_tokens}, {self.reserve_cost})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +154,7 @@ class Lease:
     admitted_ms: int  # the store's clock
     expires_ms: int
     store: str  # the name of the store that issued it (a fallback wrapper routes by it)
+    reserved_cost: int = 0  # micro-dollars
     holds_slot: bool = True  # a concurrency limit counts it: its release must not wait
 
     @property
@@ -210,6 +226,14 @@ def day_of(now_ms: int) -> int:
     return now_ms // DAY_MS
 
 
+def month_of(now_ms: int) -> tuple[int, int]:
+    """The UTC calendar month of ``now_ms`` (``year * 12 + month - 1``) and when the next begins (ms)."""
+    moment = datetime.fromtimestamp(now_ms / 1000, tz=UTC)
+    index = moment.year * 12 + moment.month - 1
+    year, month = divmod(index + 1, 12)
+    return index, int(datetime(year, month + 1, 1, tzinfo=UTC).timestamp() * 1000)
+
+
 def live(buckets: Mapping[int, int], now_ms: int) -> dict[int, int]:
     """The buckets that still count at ``now_ms`` (the others can be deleted)."""
     oldest = bucket_of(now_ms) - SPAN + 1
@@ -254,10 +278,14 @@ def check_leases(live_leases: int, limit: int) -> Check:
 
 def check_day(used: int, now_ms: int, limit: int, need: int) -> Check:
     """Daily budget check: ``need`` fits under what is left of today's (UTC) budget."""
-    midnight = (day_of(now_ms) + 1) * DAY_MS - now_ms
+    return check_period(used, (day_of(now_ms) + 1) * DAY_MS - now_ms, limit, need)
+
+
+def check_period(used: int, reset_ms: int, limit: int, need: int) -> Check:
+    """A budget per calendar period: ``need`` fits under what is left; else wait for the reset."""
     if used + need <= limit:
-        return Check(True, used, None, midnight)
-    return Check(False, used, None if need > limit else midnight, midnight)
+        return Check(True, used, None, reset_ms)
+    return Check(False, used, None if need > limit else reset_ms, reset_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +296,8 @@ class ScopeState:
     tokens: Mapping[int, int]  # bucket -> tokens charged
     leases: int  # live leases
     day_tokens: int  # tokens charged today (UTC)
+    day_cost: int = 0  # micro-dollars charged today (UTC)
+    month_cost: int = 0  # micro-dollars charged this month (UTC)
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,8 +311,10 @@ class Verdict:
     retry_after_ms: int | None = None
 
 
-def decide(scopes: Sequence[tuple[str, Limits, ScopeState]], reserve: int, now_ms: int) -> Verdict:
-    """Admit only if every limit of every scope takes one request and ``reserve`` tokens.
+def decide(scopes: Sequence[tuple[str, Limits, ScopeState]], reserve: int, now_ms: int,
+           reserve_cost: int = 0) -> Verdict:
+    """Admit only if every limit of every scope takes one request, ``reserve`` tokens and
+    ``reserve_cost`` micro-dollars.
 
     When several limits refuse, the reported one is the one with the longest wait (a limit that
     can never be met beats any wait), so that ``retry-after`` is never too early.
@@ -293,7 +325,7 @@ def decide(scopes: Sequence[tuple[str, Limits, ScopeState]], reserve: int, now_m
         for kind, limit in zip(LimitKind, limits.as_tuple(), strict=True):
             if limit is None:
                 continue
-            check, need = _check(kind, limit, state, reserve, now_ms)
+            check, need = _check(kind, limit, state, reserve, reserve_cost, now_ms)
             checked.append((scope, kind, limit, check, need))
             if not check.fits:
                 wait = math.inf if check.retry_after_ms is None else check.retry_after_ms
@@ -307,14 +339,19 @@ def decide(scopes: Sequence[tuple[str, Limits, ScopeState]], reserve: int, now_m
     return Verdict(False, figures, kind, scope, None if wait == math.inf else int(wait))
 
 
-def _check(kind: LimitKind, limit: int, state: ScopeState, reserve: int, now_ms: int) -> tuple[Check, int]:
+def _check(kind: LimitKind, limit: int, state: ScopeState, reserve: int, cost: int, now_ms: int
+           ) -> tuple[Check, int]:
     if kind is LimitKind.REQUESTS:
         return check_window(state.requests, now_ms, limit, 1), 1
     if kind is LimitKind.TOKENS:
         return check_window(state.tokens, now_ms, limit, reserve), reserve
     if kind is LimitKind.CONCURRENCY:
         return check_leases(state.leases, limit), 1
-    return check_day(state.day_tokens, now_ms, limit, reserve), reserve
+    if kind is LimitKind.DAILY_TOKENS:
+        return check_day(state.day_tokens, now_ms, limit, reserve), reserve
+    if kind is LimitKind.DAILY_COST:
+        return check_period(state.day_cost, (day_of(now_ms) + 1) * DAY_MS - now_ms, limit, cost), cost
+    return check_period(state.month_cost, month_of(now_ms)[1] - now_ms, limit, cost), cost
 
 
 def settle_bucket(admitted_ms: int, now_ms: int, delta: int) -> int | None:

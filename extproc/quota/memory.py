@@ -26,6 +26,7 @@ from extproc.quota.limits import (
     bucket_of,
     day_of,
     decide,
+    month_of,
     scopes_of,
     settle_bucket,
 )
@@ -37,6 +38,11 @@ _SWEEP_MS = 60_000  # how often one worker deletes every tenant's stale rows
 _WINDOW_ADD = ("INSERT INTO win VALUES (?,?,?,?,?)"
                " ON CONFLICT (tenant, scope, kind, bucket) DO UPDATE SET n = n + excluded.n")
 _DAY_ADD = "INSERT INTO day VALUES (?,?,?,?) ON CONFLICT (tenant, scope, day) DO UPDATE SET n = n + excluded.n"
+_SPEND_ADD = ("INSERT INTO spend VALUES (?,?,?,?,?)"
+              " ON CONFLICT (tenant, scope, period, idx) DO UPDATE SET n = n + excluded.n")
+_DAY, _MONTH = 0, 1  # spend.period: idx is a UTC day number, or a UTC month (year * 12 + month - 1)
+_SCHEMA_VERSION = 2  # a file of another version is rebuilt (quota state is a minute's worth)
+_TABLES = ("win", "lease", "day", "charge", "spend")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS win (tenant TEXT, scope TEXT, kind INTEGER, bucket INTEGER, n INTEGER,
     PRIMARY KEY (tenant, scope, kind, bucket)) WITHOUT ROWID;
@@ -44,8 +50,10 @@ CREATE TABLE IF NOT EXISTS lease (tenant TEXT, scope TEXT, lease_id TEXT, expire
     PRIMARY KEY (tenant, scope, lease_id)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS day (tenant TEXT, scope TEXT, day INTEGER, n INTEGER,
     PRIMARY KEY (tenant, scope, day)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS charge (tenant TEXT, lease_id TEXT, tokens INTEGER, expires INTEGER,
+CREATE TABLE IF NOT EXISTS charge (tenant TEXT, lease_id TEXT, tokens INTEGER, expires INTEGER, cost INTEGER,
     PRIMARY KEY (tenant, lease_id)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS spend (tenant TEXT, scope TEXT, period INTEGER, idx INTEGER, n INTEGER,
+    PRIMARY KEY (tenant, scope, period, idx)) WITHOUT ROWID;
 """
 
 
@@ -71,6 +79,11 @@ class MemoryStore:
         # Quota state is rebuilt within a minute after a crash: durability is not worth an fsync.
         self._db.execute("PRAGMA synchronous=OFF")
         with self._transaction():
+            (version,), = self._db.execute("PRAGMA user_version")
+            if version != _SCHEMA_VERSION:
+                for table in _TABLES:
+                    self._db.execute(f"DROP TABLE IF EXISTS {table}")
+                self._db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
             for statement in _SCHEMA.split(";")[:-1]:  # not executescript: it would COMMIT first
                 self._db.execute(statement)
         self._last_sweep = 0
@@ -87,7 +100,7 @@ class MemoryStore:
         with self._transaction():
             now = self._now_ms()
             self._sweep(now)
-            oldest, today = bucket_of(now) - SPAN + 1, day_of(now)
+            oldest, today, (month, _) = bucket_of(now) - SPAN + 1, day_of(now), month_of(now)
             db.execute("DELETE FROM charge WHERE tenant=? AND expires<=?", (tenant, now))
             scopes = []
             for scope, limits in scopes_of(quota, admission.qos):
@@ -102,9 +115,19 @@ class MemoryStore:
                 (leases,), = db.execute("SELECT count(*) FROM lease WHERE tenant=? AND scope=?", (tenant, key))
                 day_rows = db.execute("SELECT n FROM day WHERE tenant=? AND scope=? AND day=?",
                                       (tenant, key, today)).fetchall()
-                state = ScopeState(windows[_REQUESTS], windows[_TOKENS], leases, day_rows[0][0] if day_rows else 0)
+                spent = {_DAY: 0, _MONTH: 0}
+                if limits.daily_cost is not None or limits.monthly_cost is not None:
+                    db.execute("DELETE FROM spend WHERE tenant=? AND scope=? AND ((period=? AND idx<?) OR "
+                               "(period=? AND idx<?))", (tenant, key, _DAY, today - 1, _MONTH, month - 1))
+                    for period, n in db.execute(
+                            "SELECT period, n FROM spend WHERE tenant=? AND scope=? AND ((period=? AND idx=?) OR "
+                            "(period=? AND idx=?))", (tenant, key, _DAY, today, _MONTH, month)):
+                        spent[period] = n
+                state = ScopeState(windows[_REQUESTS], windows[_TOKENS], leases, day_rows[0][0] if day_rows else 0,
+                                   spent[_DAY], spent[_MONTH])
                 scopes.append((scope, limits, state))
-            verdict = decide(scopes, admission.reserve_tokens, now)
+            cost = admission.reserve_cost
+            verdict = decide(scopes, admission.reserve_tokens, now, cost)
             if not verdict.admitted:
                 return Decision(False, verdict.figures, verdict.refused_by, verdict.refused_scope,
                                 verdict.retry_after_ms)
@@ -115,10 +138,14 @@ class MemoryStore:
                 if admission.reserve_tokens:
                     db.execute(_WINDOW_ADD, (tenant, key, _TOKENS, bucket_of(now), admission.reserve_tokens))
                 db.execute(_DAY_ADD, (tenant, key, today, admission.reserve_tokens))
+                if cost:
+                    db.execute(_SPEND_ADD, (tenant, key, _DAY, today, cost))
+                    db.execute(_SPEND_ADD, (tenant, key, _MONTH, month, cost))
                 db.execute("INSERT OR REPLACE INTO lease VALUES (?,?,?,?)", (tenant, key, admission.lease_id, expires))
-            db.execute("INSERT OR REPLACE INTO charge VALUES (?,?,?,?)",
-                       (tenant, admission.lease_id, admission.reserve_tokens, expires))
-        lease = Lease(tenant, admission.qos, admission.lease_id, admission.reserve_tokens, now, expires, self.name)
+            db.execute("INSERT OR REPLACE INTO charge VALUES (?,?,?,?,?)",
+                       (tenant, admission.lease_id, admission.reserve_tokens, expires, cost))
+        lease = Lease(tenant, admission.qos, admission.lease_id, admission.reserve_tokens, now, expires, self.name,
+                      reserved_cost=cost)
         return Decision(True, verdict.figures, lease=lease)
 
     def _sweep(self, now: int) -> None:
@@ -130,14 +157,28 @@ class MemoryStore:
         self._db.execute("DELETE FROM lease WHERE expires<=?", (now,))
         self._db.execute("DELETE FROM charge WHERE expires<=?", (now,))
         self._db.execute("DELETE FROM day WHERE day<?", (day_of(now) - 1,))
+        self._db.execute("DELETE FROM spend WHERE (period=? AND idx<?) OR (period=? AND idx<?)",
+                         (_DAY, day_of(now) - 1, _MONTH, month_of(now)[0] - 1))
 
-    def _settle(self, lease: Lease, actual_tokens: int | None, free: bool) -> None:
+    def _settle(self, lease: Lease, actual_tokens: int | None, actual_cost: int | None, free: bool) -> None:
         db, tenant = self._db, lease.tenant
         keys = [_scope_key(scope, lease.qos) for scope in (("tenant", "qos") if lease.qos else ("tenant",))]
         with self._transaction():
             now = self._now_ms()
-            rows = db.execute("SELECT tokens FROM charge WHERE tenant=? AND lease_id=?",
+            rows = db.execute("SELECT tokens, cost FROM charge WHERE tenant=? AND lease_id=?",
                               (tenant, lease.lease_id)).fetchall()
+            if rows and actual_cost is not None and actual_cost != rows[0][1]:
+                delta = actual_cost - rows[0][1]
+                periods = ((_DAY, day_of(lease.admitted_ms)), (_MONTH, month_of(lease.admitted_ms)[0]))
+                for key in keys:
+                    for period, index in periods:
+                        if delta > 0:
+                            db.execute(_SPEND_ADD, (tenant, key, period, index, delta))
+                        else:  # a refund to a period already purged has nothing to return to
+                            db.execute("UPDATE spend SET n=n+? WHERE tenant=? AND scope=? AND period=? AND idx=?",
+                                       (delta, tenant, key, period, index))
+                db.execute("UPDATE charge SET cost=? WHERE tenant=? AND lease_id=?",
+                           (actual_cost, tenant, lease.lease_id))
             if rows and actual_tokens is not None and actual_tokens != rows[0][0]:
                 delta = actual_tokens - rows[0][0]
                 bucket = settle_bucket(lease.admitted_ms, now, delta)
@@ -158,13 +199,13 @@ class MemoryStore:
                     db.execute("DELETE FROM lease WHERE tenant=? AND scope=? AND lease_id=?",
                                (tenant, key, lease.lease_id))
 
-    async def reconcile(self, lease: Lease, actual_tokens: int) -> None:
+    async def reconcile(self, lease: Lease, actual_tokens: int, actual_cost: int | None = None) -> None:
         """See ``QuotaStore.reconcile``."""
-        self._settle(lease, actual_tokens, free=False)
+        self._settle(lease, actual_tokens, actual_cost, free=False)
 
-    async def release(self, lease: Lease, actual_tokens: int | None = None) -> None:
+    async def release(self, lease: Lease, actual_tokens: int | None = None, actual_cost: int | None = None) -> None:
         """See ``QuotaStore.release``."""
-        self._settle(lease, actual_tokens, free=True)
+        self._settle(lease, actual_tokens, actual_cost, free=True)
 
     async def renew(self, lease: Lease) -> Lease | None:
         """See ``QuotaStore.renew``."""

@@ -7,7 +7,9 @@ one script may touch them all. Per scope (``t`` for the tenant, ``q:<class>`` fo
     llmgw:quota:{T}:<scope>:tk   HASH   bucket -> tokens          (TTL 62 s)
     llmgw:quota:{T}:<scope>:ls   ZSET   lease id -> expiry ms     (TTL: the newest lease's)
     llmgw:quota:{T}:<scope>:dy   HASH   UTC day -> tokens         (TTL 2 days)
-    llmgw:quota:{T}:open         HASH   lease id -> charged tokens (entries leave on release/expiry)
+    llmgw:quota:{T}:<scope>:dc   HASH   UTC day -> micro-dollars  (TTL 2 days)
+    llmgw:quota:{T}:<scope>:mc   HASH   UTC month -> micro-dollars (TTL 62 days)
+    llmgw:quota:{T}:open         HASH   lease id -> "tokens cost" charged (entries leave on release/expiry)
 
 The scripts read the time with ``TIME`` (Redis's clock, not the replicas'), purge what has expired
 (buckets that left the window, leases past their expiry: a dead worker's slot frees itself) and
@@ -35,6 +37,8 @@ from extproc.quota.limits import (
 from extproc.quota.resp import PipelinedConnection, RedisReplyError
 from extproc.quota.store import StoreUnavailable, tag
 
+_ADMIT_KEYS = ("rq", "tk", "ls", "dy", "dc", "mc")
+_SETTLE_KEYS = ("tk", "ls", "dy", "dc", "mc")
 # A settlement that frees nothing another request waits for (no concurrency slot) may wait this
 # long to share a write with others.
 SETTLE_BATCH_S = 0.05
@@ -45,9 +49,32 @@ if redis.replicate_commands then pcall(redis.replicate_commands) end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local BUCKET, SPAN, DAY, WINDOW_TTL, DAY_TTL, CONC_RETRY = 1000, 61, 86400000, 62000, 172800000, 1000
+local MONTH_TTL = 62 * DAY
 local b = math.floor(now / BUCKET)
 local oldest = b - SPAN + 1
 local today = math.floor(now / DAY)
+local function month_of_day(z)  -- the UTC month (year * 12 + month - 1) of a day number (Hinnant's civil_from_days)
+  z = z + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local y, m = yoe + era * 400, mp + 3
+  if mp >= 10 then m = mp - 9; y = y + 1 end
+  return y * 12 + m - 1
+end
+local function month_first_day(index)  -- the day number of the 1st of a month (Hinnant's days_from_civil)
+  local y, m = math.floor(index / 12), index % 12 + 1
+  if m <= 2 then y = y - 1 end
+  local era = math.floor(y / 400)
+  local yoe = y - era * 400
+  local mp = m + 9
+  if m > 2 then mp = m - 3 end
+  local doe = yoe * 365 + math.floor(yoe / 4) - math.floor(yoe / 100) + math.floor((153 * mp + 2) / 5)
+  return era * 146097 + doe - 719468
+end
+local month = month_of_day(today)
 local function extend(key, ms)  -- PEXPIRE that never shortens (a replica with a shorter lease TTL)
   if redis.call('PTTL', key) < ms then redis.call('PEXPIRE', key, ms) end
 end
@@ -56,13 +83,15 @@ local function each_chunk(list, fn)  -- unpack() has a stack limit: pass long li
 end
 """
 
-# KEYS: open, then per scope rq, tk, ls, dy.  ARGV: lease id, reserve, lease ttl ms, then per scope
-# the four limits (rpm, tpm, concurrency, daily; -1 = none).
+# KEYS: open, then per scope rq, tk, ls, dy, dc, mc.  ARGV: lease id, reserve, lease ttl ms, reserve
+# cost, then per scope the six limits (rpm, tpm, concurrency, daily tokens, daily cost, monthly
+# cost; -1 = none).
 # Reply: admitted, refused kind, refused scope (1-based), retry ms (-1 none, -2 never), now,
 # then per scope and kind: limit (-1 none), remaining, reset ms.
 ADMIT = _PRELUDE + """
-local lease, reserve, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local nscopes = (#KEYS - 1) / 4
+local lease, reserve, ttl, cost = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local KINDS, NKEYS = 6, 6
+local nscopes = (#KEYS - 1) / NKEYS
 
 local dead = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now)
 each_chunk(dead, function(...) redis.call('HDEL', KEYS[1], ...) end)
@@ -78,6 +107,14 @@ local function window(key)
   each_chunk(stale, function(...) redis.call('HDEL', key, ...) end)
   table.sort(items, function(x, y) return x[1] < y[1] end)
   return items, used
+end
+
+-- what a per-period counter holds for the current period; periods before keep_from are purged
+local function period_used(key, current, keep_from)
+  for _, index in ipairs(redis.call('HKEYS', key)) do
+    if tonumber(index) < keep_from then redis.call('HDEL', key, index) end
+  end
+  return tonumber(redis.call('HGET', key, current) or '0')
 end
 
 -- returns fits, used, retry (-1 none, -2 never), reset
@@ -105,18 +142,20 @@ local reply = {1, -1, -1, -1, now}
 local needs = {}  -- reply index of a remaining figure -> what this admission takes of it
 local best = nil  -- the refusal with the longest wait (never = infinite)
 for s = 1, nscopes do
-  local rq, tk, ls, dy = KEYS[4 * s - 2], KEYS[4 * s - 1], KEYS[4 * s], KEYS[4 * s + 1]
+  local k = NKEYS * (s - 1) + 1
+  local rq, tk, ls, dy, dc, mc = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], KEYS[k + 5], KEYS[k + 6]
+  local first = 4 + KINDS * (s - 1)  -- ARGV index before this scope's first limit
   local rq_items, rq_used = window(rq)
   local tk_items, tk_used = window(tk)
   redis.call('ZREMRANGEBYSCORE', ls, '-inf', now)
   local live = redis.call('ZCARD', ls)
-  local days = redis.call('HKEYS', dy)
-  for _, day in ipairs(days) do
-    if tonumber(day) < today - 1 then redis.call('HDEL', dy, day) end
+  local day_used = period_used(dy, today, today - 1)
+  local day_cost, month_cost = 0, 0
+  if cost > 0 or tonumber(ARGV[first + 5]) >= 0 or tonumber(ARGV[first + 6]) >= 0 then
+    day_cost, month_cost = period_used(dc, today, today - 1), period_used(mc, month, month - 1)
   end
-  local day_used = tonumber(redis.call('HGET', dy, today) or '0')
-  for kind = 0, 3 do
-    local limit = tonumber(ARGV[3 + 4 * (s - 1) + kind + 1])
+  for kind = 0, KINDS - 1 do
+    local limit = tonumber(ARGV[first + kind + 1])
     local fits, used, retry, reset, need = true, 0, -1, 0, 0
     if limit >= 0 then
       if kind == 0 then
@@ -129,11 +168,13 @@ for s = 1, nscopes do
         need, used = 1, live
         fits = live + 1 <= limit
         if not fits and limit > 0 then retry = CONC_RETRY elseif not fits then retry = -2 end
-      else
+      else  -- a budget per calendar period: tokens or cost per day, cost per month
         need, used, reset = reserve, day_used, (today + 1) * DAY - now
-        fits = day_used + reserve <= limit
+        if kind == 4 then need, used = cost, day_cost end
+        if kind == 5 then need, used, reset = cost, month_cost, month_first_day(month + 1) * DAY - now end
+        fits = used + need <= limit
         if not fits then
-          if reserve > limit then retry = -2 else retry = reset end
+          if need > limit then retry = -2 else retry = reset end
         end
       end
       -- remaining is limit - used for now; the need is taken off below once all limits agreed
@@ -162,7 +203,8 @@ if reply[1] == 0 then return reply end
 
 local expires = now + ttl
 for s = 1, nscopes do
-  local rq, tk, ls, dy = KEYS[4 * s - 2], KEYS[4 * s - 1], KEYS[4 * s], KEYS[4 * s + 1]
+  local k = NKEYS * (s - 1) + 1
+  local rq, tk, ls, dy, dc, mc = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], KEYS[k + 5], KEYS[k + 6]
   redis.call('HINCRBY', rq, b, 1)
   redis.call('PEXPIRE', rq, WINDOW_TTL)
   if reserve > 0 then
@@ -171,43 +213,69 @@ for s = 1, nscopes do
   end
   redis.call('HINCRBY', dy, today, reserve)
   redis.call('PEXPIRE', dy, DAY_TTL)
+  if cost > 0 then
+    redis.call('HINCRBY', dc, today, cost)
+    redis.call('PEXPIRE', dc, DAY_TTL)
+    redis.call('HINCRBY', mc, month, cost)
+    redis.call('PEXPIRE', mc, MONTH_TTL)
+  end
   redis.call('ZADD', ls, expires, lease)
   extend(ls, ttl)
 end
-redis.call('HSET', KEYS[1], lease, reserve)
+redis.call('HSET', KEYS[1], lease, reserve .. ' ' .. cost)
 extend(KEYS[1], ttl)
 return reply
 """
 
-# KEYS: open, then per scope tk, ls, dy.  ARGV: lease id, actual (-1 = none), admitted ms, free (0/1).
-# Reply: 1 if the lease was open.
+# KEYS: open, then per scope tk, ls, dy, dc, mc.  ARGV: lease id, actual tokens (-1 = none),
+# admitted ms, free (0/1), actual cost (-1 = none).  Reply: 1 if the lease was open.
 SETTLE = _PRELUDE + """
 local lease, actual, admitted, free = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4] == '1'
-local nscopes = (#KEYS - 1) / 3
+local actual_cost = tonumber(ARGV[5])
+local NKEYS = 5
+local nscopes = (#KEYS - 1) / NKEYS
 local charged = redis.call('HGET', KEYS[1], lease)
-if charged and actual >= 0 and actual ~= tonumber(charged) then
-  local delta = actual - tonumber(charged)
-  local bucket = math.floor(admitted / BUCKET)
-  if bucket < oldest then
-    if delta > 0 then bucket = b else bucket = nil end
+-- move a per-period counter by delta; a refund to a period already purged has nothing to return to
+local function move(key, period, delta, ttl)
+  if delta > 0 or redis.call('HEXISTS', key, period) == 1 then
+    redis.call('HINCRBY', key, period, delta)
+    redis.call('PEXPIRE', key, ttl)
   end
+end
+if charged then
+  local tokens, spent = string.match(charged, '^(%-?%d+) (%-?%d+)$')
+  tokens, spent = tonumber(tokens), tonumber(spent)
   local day = math.floor(admitted / DAY)
-  for s = 1, nscopes do
-    local tk, dy = KEYS[3 * s - 1], KEYS[3 * s + 1]
-    if bucket ~= nil then
-      redis.call('HINCRBY', tk, bucket, delta)
-      redis.call('PEXPIRE', tk, WINDOW_TTL)
+  if actual >= 0 and actual ~= tokens then
+    local delta = actual - tokens
+    local bucket = math.floor(admitted / BUCKET)
+    if bucket < oldest then
+      if delta > 0 then bucket = b else bucket = nil end
     end
-    if delta > 0 or redis.call('HEXISTS', dy, day) == 1 then
-      redis.call('HINCRBY', dy, day, delta)
-      redis.call('PEXPIRE', dy, DAY_TTL)
+    for s = 1, nscopes do
+      local k = NKEYS * (s - 1) + 1
+      if bucket ~= nil then
+        redis.call('HINCRBY', KEYS[k + 1], bucket, delta)
+        redis.call('PEXPIRE', KEYS[k + 1], WINDOW_TTL)
+      end
+      move(KEYS[k + 3], day, delta, DAY_TTL)
     end
+    tokens = actual
   end
-  redis.call('HSET', KEYS[1], lease, actual)
+  if actual_cost >= 0 and actual_cost ~= spent then
+    local delta = actual_cost - spent
+    for s = 1, nscopes do
+      local k = NKEYS * (s - 1) + 1
+      move(KEYS[k + 4], day, delta, DAY_TTL)
+      move(KEYS[k + 5], month_of_day(day), delta, MONTH_TTL)
+    end
+    spent = actual_cost
+  end
+  redis.call('HSET', KEYS[1], lease, tokens .. ' ' .. spent)
 end
 if free then
   redis.call('HDEL', KEYS[1], lease)
-  for s = 1, nscopes do redis.call('ZREM', KEYS[3 * s], lease) end
+  for s = 1, nscopes do redis.call('ZREM', KEYS[NKEYS * (s - 1) + 3], lease) end
 end
 if charged then return 1 end
 return 0
@@ -284,38 +352,40 @@ class RedisStore:
     async def admit(self, admission: Admission, quota: Quota) -> Decision:
         """See ``QuotaStore.admit``."""
         scopes = scopes_of(quota, admission.qos)
-        args: list[str | int] = [admission.lease_id, admission.reserve_tokens, self.lease_ttl_ms]
+        args: list[str | int] = [admission.lease_id, admission.reserve_tokens, self.lease_ttl_ms,
+                                 admission.reserve_cost]
         for _, limits in scopes:
             args += [-1 if limit is None else limit for limit in limits.as_tuple()]
-        reply = await self._run(ADMIT, self._keys(admission.tenant, admission.qos, ("rq", "tk", "ls", "dy")), args)
+        reply = await self._run(ADMIT, self._keys(admission.tenant, admission.qos, _ADMIT_KEYS), args)
         assert isinstance(reply, list)
         admitted, kind, scope, retry, now, *raw = (int(value) for value in reply)
         figures = []
+        kinds = len(LimitKind)
         for index, (scope_name, _) in enumerate(scopes):
             for limit_kind in LimitKind:
-                limit, remaining, reset = raw[3 * (4 * index + limit_kind): 3 * (4 * index + limit_kind) + 3]
+                at = 3 * (kinds * index + limit_kind)
+                limit, remaining, reset = raw[at:at + 3]
                 if limit >= 0:
                     figures.append(Figure(scope_name, limit_kind, limit, remaining, reset))
         if not admitted:
             return Decision(False, tuple(figures), LimitKind(kind), scopes[scope - 1][0],
                             None if retry < 0 else retry)
         lease = Lease(admission.tenant, admission.qos, admission.lease_id, admission.reserve_tokens,
-                      now, now + self.lease_ttl_ms, self.name, holds_slot=_holds_slot(scopes))
+                      now, now + self.lease_ttl_ms, self.name, admission.reserve_cost, _holds_slot(scopes))
         return Decision(True, tuple(figures), lease=lease)
 
-    async def _settle(self, lease: Lease, actual_tokens: int | None, free: bool) -> None:
+    async def _settle(self, lease: Lease, actual_tokens: int | None, actual_cost: int | None, free: bool) -> None:
         args: list[str | int] = [lease.lease_id, -1 if actual_tokens is None else actual_tokens,
-                                 lease.admitted_ms, int(free)]
-        await self._run(SETTLE, self._keys(lease.tenant, lease.qos, ("tk", "ls", "dy")), args,
-                        later=not lease.urgent)
+                                 lease.admitted_ms, int(free), -1 if actual_cost is None else actual_cost]
+        await self._run(SETTLE, self._keys(lease.tenant, lease.qos, _SETTLE_KEYS), args, later=not lease.urgent)
 
-    async def reconcile(self, lease: Lease, actual_tokens: int) -> None:
+    async def reconcile(self, lease: Lease, actual_tokens: int, actual_cost: int | None = None) -> None:
         """See ``QuotaStore.reconcile``."""
-        await self._settle(lease, actual_tokens, free=False)
+        await self._settle(lease, actual_tokens, actual_cost, free=False)
 
-    async def release(self, lease: Lease, actual_tokens: int | None = None) -> None:
+    async def release(self, lease: Lease, actual_tokens: int | None = None, actual_cost: int | None = None) -> None:
         """See ``QuotaStore.release``."""
-        await self._settle(lease, actual_tokens, free=True)
+        await self._settle(lease, actual_tokens, actual_cost, free=True)
 
     async def renew(self, lease: Lease) -> Lease | None:
         """See ``QuotaStore.renew``."""

@@ -27,15 +27,16 @@ class QuotaStore(Protocol):
         """Admit ``admission`` under every limit of ``quota``, charging all of them, or none."""
         ...
 
-    async def reconcile(self, lease: Lease, actual_tokens: int) -> None:
-        """Make the lease's charge ``actual_tokens`` (TPM and daily counters move by the difference).
+    async def reconcile(self, lease: Lease, actual_tokens: int, actual_cost: int | None = None) -> None:
+        """Make the lease's charge ``actual_tokens`` (TPM and daily counters move by the difference)
+        and, when given, ``actual_cost`` micro-dollars (the budgets move likewise).
 
         Idempotent: the charge is set, not added to. A no-op once the lease is released or expired.
         """
         ...
 
-    async def release(self, lease: Lease, actual_tokens: int | None = None) -> None:
-        """Free the lease's concurrency slot, reconciling to ``actual_tokens`` first when given."""
+    async def release(self, lease: Lease, actual_tokens: int | None = None, actual_cost: int | None = None) -> None:
+        """Free the lease's concurrency slot, reconciling to the actual usage first when given."""
         ...
 
     async def renew(self, lease: Lease) -> Lease | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pytest
 
 from extproc.quota.limits import (
@@ -19,6 +21,7 @@ from extproc.quota.limits import (
     decide,
     format_duration,
     live,
+    month_of,
     scopes_of,
     settle_bucket,
 )
@@ -171,3 +174,17 @@ def test_scopes() -> None:
 def test_invalid(bad: object) -> None:
     with pytest.raises(ValueError):
         bad()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("iso, month, next_month", [
+    ("2026-11-29T13:00:00", "2026-11", "2026-12-01"),
+    ("2026-12-31T23:59:59.999", "2026-12", "2027-01-01"),  # the year turns
+    ("2024-02-29T12:00:00", "2024-02", "2024-03-01"),  # a leap day
+    ("2100-02-28T00:00:00", "2100-02", "2100-03-01"),  # a century that is not a leap year
+])
+def test_month_of(iso: str, month: str, next_month: str) -> None:
+    now = int(datetime.fromisoformat(iso).replace(tzinfo=UTC).timestamp() * 1000)
+    index, next_start = month_of(now)
+    year, number = divmod(index, 12)
+    assert f"{year}-{number + 1:02d}" == month
+    assert next_start == int(datetime.fromisoformat(next_month).replace(tzinfo=UTC).timestamp() * 1000)

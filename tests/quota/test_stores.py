@@ -12,7 +12,8 @@ import redis.asyncio as aioredis
 from redis.crc import key_slot
 
 from extproc.quota.limits import DAY_MS, Admission, Decision, Lease, LimitKind, Limits, Quota
-from extproc.quota.redis_store import RedisStore
+from extproc.quota.limits import month_of
+from extproc.quota.redis_store import _PRELUDE, RedisStore
 from extproc.quota.store import QuotaStore
 from tests.quota.conftest import RedisServer
 from tests.quota.workers import Job, open_store, run_processes
@@ -153,6 +154,32 @@ async def test_daily_budget(make_store: MakeStore, tenant: str) -> None:
     assert (await store.admit(ask(tenant, 600), quota)).admitted  # 300 + 600 <= 1000
 
 
+@pytest.mark.parametrize("kind", [LimitKind.DAILY_COST, LimitKind.MONTHLY_COST], ids=["daily", "monthly"])
+async def test_spending_budget_reserves_then_reconciles_cost(make_store: MakeStore, tenant: str,
+                                                             kind: LimitKind) -> None:
+    store = make_store()
+    limits = Limits(daily_cost=1000) if kind is LimitKind.DAILY_COST else Limits(monthly_cost=1000)
+    quota = Quota(limits)  # micro-dollars
+
+    def spend(cost: int) -> Admission:
+        return Admission(tenant, uuid.uuid4().hex, 10, reserve_cost=cost)
+
+    first = await store.admit(spend(600), quota)
+    assert first.admitted and first.lease is not None and first.lease.reserved_cost == 600
+    refused = await store.admit(spend(600), quota)
+    assert (refused.admitted, refused.refused_by) == (False, kind)  # 600 reserved + 600 > 1000
+    assert refused.retry_after_ms is not None and refused.retry_after_ms > 0  # until the period resets
+    assert (await store.admit(spend(1001), quota)).retry_after_ms is None  # can never fit: no wait helps
+    await store.release(first.lease, 10, 250)  # it really cost 250
+    second = await store.admit(spend(600), quota)
+    assert second.admitted  # 250 + 600 <= 1000
+    figure = next(f for f in second.figures if f.kind is kind)
+    assert figure.remaining == 150
+    assert second.lease is not None
+    await store.release(second.lease, 10, 0)  # a refund goes back too
+    assert (await store.admit(spend(750), quota)).admitted  # 250 + 750
+
+
 async def test_qos_class_has_its_own_limits(make_store: MakeStore, tenant: str) -> None:
     store = make_store()
     quota = Quota(tenant=Limits(rpm=5), qos=Limits(rpm=2))
@@ -236,3 +263,28 @@ async def test_redis_keys_are_hash_tagged_and_expire(redis_server: RedisServer, 
         await admin.aclose()
 
 
+
+
+async def test_the_scripts_calendar_matches_python(redis_server: RedisServer) -> None:
+    # The Lua prelude computes UTC months itself (Redis's clock); it must agree with limits.month_of.
+    script = _PRELUDE + """
+local out = {}
+for i = 1, #ARGV do
+  local day = tonumber(ARGV[i])
+  local m = month_of_day(day)
+  out[#out + 1] = m
+  out[#out + 1] = month_first_day(m + 1)
+end
+return out
+"""
+    days = list(range(-800, 80_000, 37)) + [19_782, 20_055, 20_056, 47_541]  # 1967 .. 2189, leap days
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        reply = await admin.eval(script, 0, *days)
+    finally:
+        await admin.aclose()
+    expected = []
+    for day in days:
+        index, next_start = month_of(day * DAY_MS + 12 * 3_600_000)
+        expected += [index, next_start // DAY_MS]
+    assert reply == expected
