@@ -38,6 +38,7 @@ from extproc.launcher import (
     node_state_env,
     start_extproc_workers,
 )
+from extproc.telemetry.metrics import MULTIPROC_ENV, prepare_multiprocess_dir, serve_metrics
 
 DEFAULT_CONFIG = "config/local.yaml"
 DEV_KEY_ENV = "LLMGW_DEV_KEY"
@@ -83,7 +84,7 @@ def _print_welcome(info: StackInfo, model: str, started_in: float, api_key: str)
     print(f"""llmgw is up in {started_in:.1f} s
 
   gateway   {base}/v1        (Envoy; admin {info.admin_url})
-  extproc   {info.extproc_address}
+  extproc   {info.extproc_address}   (metrics {info.metrics_url or "off"})
   pods      {pods}
 
 Try it:
@@ -112,7 +113,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     options = StackOptions(
         config_path=Path(args.config), run_dir=Path(args.run_dir), port=args.port, listen_host=args.host,
         workers=args.workers, envoy_yaml=Path(args.envoy_config) if args.envoy_config else None,
-        log_level=args.log_level, env={DEV_KEY_ENV: dev_key},
+        log_level=args.log_level, env={DEV_KEY_ENV: dev_key}, metrics_port=args.metrics_port,
     )
     stack = LocalStack(options)
     try:
@@ -143,14 +144,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     group = ProcessGroup(Path(args.run_dir) / "logs")
     shared = node_state_env(Path(args.run_dir).resolve())
     shared.update({name: os.environ[name] for name in (QUOTA_PATH_ENV, LEDGER_PATH_ENV) if os.environ.get(name)})
+    if args.metrics_port is not None:
+        shared[MULTIPROC_ENV] = str(prepare_multiprocess_dir(Path(args.run_dir).resolve() / "metrics"))
     try:
         start_extproc_workers(group, args.config, host, port, workers, args.log_level, shared, 20)
     except ChildFailed as error:
         console.print(f"[red]{error}[/red]")
         group.stop()
         return 1
-    print(f"READY {host}:{port} ({workers} workers)", flush=True)
-    return _supervise(group)
+    metrics = None
+    if args.metrics_port is not None:
+        metrics = serve_metrics(args.metrics_port, args.metrics_host, multiproc_dir=Path(shared[MULTIPROC_ENV]))
+    where = f", metrics :{metrics.port}/metrics" if metrics else ""
+    print(f"READY {host}:{port} ({workers} workers{where})", flush=True)
+    try:
+        return _supervise(group)
+    finally:
+        if metrics is not None:
+            metrics.stop()
 
 
 def new_api_key() -> str:
@@ -248,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--workers", type=int, default=0, help="extproc processes (default: one per core)")
     up.add_argument("--envoy-config", default=None, help="Envoy config to patch (default envoy/envoy.yaml)")
     up.add_argument("--run-dir", default=".run", help="rendered configs and logs (default .run)")
+    up.add_argument("--metrics-port", type=int, default=0,
+                    help="Prometheus /metrics of the extproc workers (default: a free port, printed)")
     up.add_argument("--log-level", default="INFO")
     up.set_defaults(handler=cmd_up)
 
@@ -257,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=None)
     serve.add_argument("--workers", type=int, default=0)
     serve.add_argument("--run-dir", default=".run")
+    serve.add_argument("--metrics-port", type=int, default=None,
+                       help="serve the workers' summed Prometheus /metrics on this port (default: none)")
+    serve.add_argument("--metrics-host", default="0.0.0.0", help="address of /metrics (default 0.0.0.0)")
     serve.add_argument("--log-level", default="INFO")
     serve.set_defaults(handler=cmd_serve)
 

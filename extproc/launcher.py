@@ -27,6 +27,7 @@ import yaml
 
 from extproc import envoyconf
 from extproc.config import LEDGER_PATH_ENV, QUOTA_PATH_ENV, GatewaySpec, load_spec
+from extproc.telemetry.metrics import MULTIPROC_ENV, MetricsServer, prepare_multiprocess_dir, serve_metrics
 
 _PR_SET_PDEATHSIG = 1
 
@@ -216,6 +217,7 @@ class StackOptions:
     log_level: str = "INFO"
     ready_timeout: float = 20.0
     env: dict[str, str] = field(default_factory=dict)  # extra environment of the extproc workers (keys)
+    metrics_port: int | None = None  # serve the workers' summed Prometheus /metrics here (0: a free port)
     # Last edit of the rendered Envoy config, given the pods' URLs (benchmarks add a direct listener).
     envoy_patch: Callable[[dict[str, Any], dict[str, list[str]]], None] | None = None
 
@@ -230,6 +232,7 @@ class StackInfo:
     pod_urls: dict[str, list[str]]
     config_path: Path
     log_dir: Path
+    metrics_url: str | None = None
 
 
 class LocalStack:
@@ -239,13 +242,14 @@ class LocalStack:
         self.options = options
         self.group = ProcessGroup(options.run_dir / "logs")
         self.info: StackInfo | None = None
+        self.metrics: MetricsServer | None = None
 
     def start(self) -> StackInfo:
         """Start everything and wait until Envoy is ready; on any failure stop what started."""
         try:
             return self._start()
         except BaseException:
-            self.group.stop()
+            self.stop()
             raise
 
     def _start(self) -> StackInfo:
@@ -259,8 +263,13 @@ class LocalStack:
 
         workers = opts.workers or spec.server.workers or os.cpu_count() or 1
         extproc_port = free_port()
+        env = {**node_state_env(opts.run_dir), **opts.env}
+        if opts.metrics_port is not None:
+            env[MULTIPROC_ENV] = str(prepare_multiprocess_dir(opts.run_dir / "metrics"))
         start_extproc_workers(self.group, config_path, "127.0.0.1", extproc_port, workers, opts.log_level,
-                              {**node_state_env(opts.run_dir), **opts.env}, opts.ready_timeout)
+                              env, opts.ready_timeout)
+        if opts.metrics_port is not None:
+            self.metrics = serve_metrics(opts.metrics_port, opts.listen_host, multiproc_dir=Path(env[MULTIPROC_ENV]))
 
         admin_port = free_port()
         rendered = envoyconf.render(
@@ -276,8 +285,9 @@ class LocalStack:
         ], ready_line=False)
         admin_url = f"http://127.0.0.1:{admin_port}"
         wait_http_ok(f"{admin_url}/ready", opts.ready_timeout, envoy)
+        metrics_url = f"http://127.0.0.1:{self.metrics.port}/metrics" if self.metrics else None
         self.info = StackInfo(f"http://127.0.0.1:{opts.port}", admin_url, f"127.0.0.1:{extproc_port}",
-                              pod_urls, config_path, self.group.log_dir)
+                              pod_urls, config_path, self.group.log_dir, metrics_url)
         return self.info
 
     def _start_pods(self, spec: GatewaySpec) -> dict[str, list[str]]:
@@ -295,8 +305,11 @@ class LocalStack:
         return pod_urls
 
     def stop(self) -> None:
-        """Stop every child."""
+        """Stop every child (and the metrics endpoint)."""
         self.group.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
+            self.metrics = None
 
     def __enter__(self) -> StackInfo:
         return self.start()

@@ -1,0 +1,136 @@
+"""The extproc process's Prometheus metrics, named after the OpenTelemetry GenAI semantic conventions
+where one exists (``gen_ai.client.token.usage`` -> ``gen_ai_client_token_usage``), ``llmgw_*`` else.
+
+Each request is recorded once, when the observer sees its response end (``record_response``), or
+when the gateway answers it itself (``record_rejection``). Quota-store and ledger health is copied
+from their counters once a second (``sync``), so neither needs to know about Prometheus.
+
+Several worker processes: the launcher points ``PROMETHEUS_MULTIPROC_DIR`` at a directory of the
+node and serves the sum of every worker's files on one ``/metrics`` port (``serve_metrics``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from pathlib import Path
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import multiprocess
+
+from extproc.ledger import LedgerSink, RedisLedger
+from extproc.observer import ResponseObservation, Usage
+from extproc.quota import FallbackStats
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# The semantic conventions' advisory bucket boundaries.
+TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
+DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion", "/v1/embeddings": "embeddings"}
+
+
+class GatewayMetrics:
+    """Every metric of one extproc process, in its own registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        labels = ("gen_ai_operation_name", "gen_ai_request_model", "llmgw_tenant")
+        self.token_usage = Histogram(
+            "gen_ai_client_token_usage", "Tokens per request (gen_ai.client.token.usage), input and output",
+            (*labels, "gen_ai_token_type"), buckets=TOKEN_BUCKETS, registry=self.registry)
+        self.duration = Histogram(
+            "gen_ai_client_operation_duration_seconds",
+            "Request duration from the gateway to the end of the response (gen_ai.client.operation.duration)",
+            (*labels, "http_response_status_code"), buckets=DURATION_BUCKETS, registry=self.registry)
+        self.time_to_first_token = Histogram(
+            "llmgw_time_to_first_token_seconds", "Time to the first byte of a streamed response",
+            labels, buckets=TTFT_BUCKETS, registry=self.registry)
+        self.cost = Counter("llmgw_usage_cost_usd", "Cost of the usage at the models' prices (US dollars)",
+                            ("gen_ai_request_model", "llmgw_tenant"), registry=self.registry)
+        self.estimated = Counter("llmgw_usage_estimated", "Responses whose usage the gateway counted itself "
+                                 "(the pod reported none)", ("gen_ai_request_model",), registry=self.registry)
+        self.rejections = Counter("llmgw_rejections", "Requests the gateway answered itself, by status and code",
+                                  ("http_response_status_code", "error_code"), registry=self.registry)
+        self.store_outages = Counter("llmgw_quota_store_outages", "Times the shared quota store (Redis) "
+                                     "became unreachable", registry=self.registry)
+        self.local_admissions = Counter("llmgw_quota_local_admissions", "Admissions decided by this node's "
+                                        "store while Redis was unreachable", registry=self.registry)
+        self.lost_settlements = Counter("llmgw_quota_lost_settlements", "Settlements that could not reach "
+                                        "Redis (their leases expire by TTL)", registry=self.registry)
+        self.store_degraded = Gauge("llmgw_quota_store_degraded", "1 while quotas are enforced locally "
+                                    "(Redis unreachable)", registry=self.registry, multiprocess_mode="max")
+        self.ledger_buffered = Gauge("llmgw_ledger_buffered_records", "Usage records waiting for Redis",
+                                     registry=self.registry, multiprocess_mode="livesum")
+        self.ledger_dropped = Counter("llmgw_ledger_dropped_records", "Usage records lost to a full buffer",
+                                      registry=self.registry)
+        self._seen = FallbackStats()
+        self._dropped = 0
+
+    def record_response(self, observation: ResponseObservation, usage: Usage | None, estimated: bool) -> None:
+        """One finished (or abandoned) response, as the observer saw it."""
+        labels = (OPERATIONS.get(observation.path, "other"), observation.model or "unknown", observation.tenant)
+        end = observation.finished_at
+        if end is not None and observation.started:
+            self.duration.labels(*labels, str(observation.status)).observe(end - observation.started)
+        if observation.first_byte_at is not None and observation.streamed:
+            self.time_to_first_token.labels(*labels).observe(observation.first_byte_at - observation.started)
+        if usage is not None:
+            self.token_usage.labels(*labels, "input").observe(usage.input_tokens)
+            self.token_usage.labels(*labels, "output").observe(usage.output_tokens)
+            if observation.prices is not None:
+                cost = observation.prices.cost(usage.input_tokens, usage.output_tokens, usage.cached_tokens)
+                self.cost.labels(labels[1], labels[2]).inc(cost)
+            if estimated:
+                self.estimated.labels(labels[1]).inc()
+
+    def record_rejection(self, status: int, code: str | None) -> None:
+        """A request the gateway answered itself (4xx, 429, 402, 503)."""
+        self.rejections.labels(str(status), code or "").inc()
+
+    def sync(self, stats: FallbackStats | None, ledger: LedgerSink | None) -> None:
+        """Copy the quota store's and the ledger's own counters (called once a second)."""
+        if stats is not None:
+            self.store_outages.inc(stats.outages - self._seen.outages)
+            self.local_admissions.inc(stats.local_admissions - self._seen.local_admissions)
+            self.lost_settlements.inc(stats.lost_settlements - self._seen.lost_settlements)
+            self.store_degraded.set(1 if stats.in_outage else 0)
+            self._seen = FallbackStats(stats.outages, stats.local_admissions, stats.lost_settlements)
+        if isinstance(ledger, RedisLedger):
+            self.ledger_buffered.set(ledger.buffered)
+            self.ledger_dropped.inc(ledger.dropped - self._dropped)
+            self._dropped = ledger.dropped
+
+
+def prepare_multiprocess_dir(path: Path) -> Path:
+    """An empty directory for the workers' metric files (stale files of a past run would add up)."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def serve_metrics(port: int, host: str = "127.0.0.1", *, registry: CollectorRegistry | None = None,
+                  multiproc_dir: Path | None = None) -> MetricsServer:
+    """Serve ``/metrics`` from a background thread: ``registry``, or the sum of the workers' files
+    in ``multiproc_dir`` (``port`` 0 picks a free one)."""
+    if registry is None:
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=str(multiproc_dir or os.environ[MULTIPROC_ENV]))
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    return MetricsServer(server, thread)
+
+
+class MetricsServer:
+    """A running ``/metrics`` endpoint."""
+
+    def __init__(self, server: WSGIServer, thread: threading.Thread) -> None:
+        self._server, self._thread = server, thread
+        self.port = int(server.server_port)
+
+    def stop(self) -> None:
+        """Stop serving and free the port."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
