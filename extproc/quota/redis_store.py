@@ -5,6 +5,7 @@ one script may touch them all. Per scope (``t`` for the tenant, ``q:<class>`` fo
 
     llmgw:quota:{T}:<scope>:rq   HASH   bucket -> requests        (TTL 62 s after the last write)
     llmgw:quota:{T}:<scope>:tk   HASH   bucket -> tokens          (TTL 62 s)
+                                        (and n: the live buckets' sum, p: the oldest not purged)
     llmgw:quota:{T}:<scope>:ls   ZSET   lease id -> expiry ms     (TTL: the newest lease's)
     llmgw:quota:{T}:<scope>:dy   HASH   UTC day -> tokens         (TTL 2 days)
     llmgw:quota:{T}:<scope>:dc   HASH   UTC day -> micro-dollars  (TTL 2 days)
@@ -96,29 +97,68 @@ local nscopes = (#KEYS - 1) / NKEYS
 local dead = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now)
 each_chunk(dead, function(...) redis.call('HDEL', KEYS[1], ...) end)
 
-local function window(key)
-  local flat = redis.call('HGETALL', key)
-  local items, stale, used = {}, {}, 0
-  for i = 1, #flat, 2 do
-    local bucket, count = tonumber(flat[i]), tonumber(flat[i + 1])
-    if bucket < oldest then stale[#stale + 1] = flat[i]
-    else items[#items + 1] = {bucket, count}; used = used + count end
+-- What a window counts now. Purges the buckets that left since the last call (usually none or
+-- one) and reads the running sum 'n': O(1), where summing the window would read 61 fields.
+local function window_used(key)
+  local state = redis.call('HMGET', key, 'n', 'p')
+  local used, cursor = tonumber(state[1] or '0'), tonumber(state[2] or oldest)
+  if not state[2] or cursor < oldest then
+    if oldest - cursor > SPAN then  -- quiet for over a window (only settlements kept it): recount
+      used = 0
+      local flat, stale = redis.call('HGETALL', key), {}
+      for i = 1, #flat, 2 do
+        local bucket = tonumber(flat[i])
+        if bucket ~= nil and bucket < oldest then stale[#stale + 1] = flat[i]
+        elseif bucket ~= nil then used = used + tonumber(flat[i + 1]) end
+      end
+      each_chunk(stale, function(...) redis.call('HDEL', key, ...) end)
+    elseif cursor < oldest then
+      local gone = {}
+      for bucket = cursor, oldest - 1 do gone[#gone + 1] = bucket end
+      for _, count in ipairs(redis.call('HMGET', key, unpack(gone))) do
+        if count then used = used - tonumber(count) end
+      end
+      redis.call('HDEL', key, unpack(gone))
+    end
+    redis.call('HSET', key, 'n', used, 'p', oldest)
   end
-  each_chunk(stale, function(...) redis.call('HDEL', key, ...) end)
+  return used
+end
+
+-- the live buckets of a window, oldest first (only to work out a refusal's wait)
+local function window_items(key)
+  local flat, items = redis.call('HGETALL', key), {}
+  for i = 1, #flat, 2 do
+    local bucket = tonumber(flat[i])
+    if bucket ~= nil and bucket >= oldest then items[#items + 1] = {bucket, tonumber(flat[i + 1])} end
+  end
   table.sort(items, function(x, y) return x[1] < y[1] end)
-  return items, used
+  return items
+end
+
+-- add to a window's bucket and to its running sum (window_used has set its cursor 'p')
+local function window_add(key, bucket, n)
+  redis.call('HINCRBY', key, bucket, n)
+  redis.call('HINCRBY', key, 'n', n)
+  redis.call('PEXPIRE', key, WINDOW_TTL)
 end
 
 -- what a per-period counter holds for the current period; periods before keep_from are purged
 local function period_used(key, current, keep_from)
-  for _, index in ipairs(redis.call('HKEYS', key)) do
-    if tonumber(index) < keep_from then redis.call('HDEL', key, index) end
+  if redis.call('HLEN', key) > 2 then
+    for _, index in ipairs(redis.call('HKEYS', key)) do
+      if tonumber(index) < keep_from then redis.call('HDEL', key, index) end
+    end
   end
   return tonumber(redis.call('HGET', key, current) or '0')
 end
 
 -- returns fits, used, retry (-1 none, -2 never), reset
-local function check_window(items, used, limit, need)
+local function check_window(key, used, limit, need)
+  if need > 0 and used + need <= limit then  -- it fits: full again when the current bucket leaves
+    return true, used, -1, (b + SPAN) * BUCKET - now
+  end
+  local items = window_items(key)
   local newest = nil
   for _, item in ipairs(items) do if item[2] ~= 0 then newest = item[1] end end
   if used + need <= limit then
@@ -145,8 +185,7 @@ for s = 1, nscopes do
   local k = NKEYS * (s - 1) + 1
   local rq, tk, ls, dy, dc, mc = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], KEYS[k + 5], KEYS[k + 6]
   local first = 4 + KINDS * (s - 1)  -- ARGV index before this scope's first limit
-  local rq_items, rq_used = window(rq)
-  local tk_items, tk_used = window(tk)
+  local rq_used, tk_used = window_used(rq), window_used(tk)
   redis.call('ZREMRANGEBYSCORE', ls, '-inf', now)
   local live = redis.call('ZCARD', ls)
   local day_used = period_used(dy, today, today - 1)
@@ -160,10 +199,10 @@ for s = 1, nscopes do
     if limit >= 0 then
       if kind == 0 then
         need = 1
-        fits, used, retry, reset = check_window(rq_items, rq_used, limit, 1)
+        fits, used, retry, reset = check_window(rq, rq_used, limit, 1)
       elseif kind == 1 then
         need = reserve
-        fits, used, retry, reset = check_window(tk_items, tk_used, limit, reserve)
+        fits, used, retry, reset = check_window(tk, tk_used, limit, reserve)
       elseif kind == 2 then
         need, used = 1, live
         fits = live + 1 <= limit
@@ -205,12 +244,8 @@ local expires = now + ttl
 for s = 1, nscopes do
   local k = NKEYS * (s - 1) + 1
   local rq, tk, ls, dy, dc, mc = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], KEYS[k + 5], KEYS[k + 6]
-  redis.call('HINCRBY', rq, b, 1)
-  redis.call('PEXPIRE', rq, WINDOW_TTL)
-  if reserve > 0 then
-    redis.call('HINCRBY', tk, b, reserve)
-    redis.call('PEXPIRE', tk, WINDOW_TTL)
-  end
+  window_add(rq, b, 1)
+  if reserve > 0 then window_add(tk, b, reserve) end
   redis.call('HINCRBY', dy, today, reserve)
   redis.call('PEXPIRE', dy, DAY_TTL)
   if cost > 0 then
@@ -256,6 +291,8 @@ if charged then
       local k = NKEYS * (s - 1) + 1
       if bucket ~= nil then
         redis.call('HINCRBY', KEYS[k + 1], bucket, delta)
+        redis.call('HINCRBY', KEYS[k + 1], 'n', delta)
+        redis.call('HSETNX', KEYS[k + 1], 'p', oldest)
         redis.call('PEXPIRE', KEYS[k + 1], WINDOW_TTL)
       end
       move(KEYS[k + 3], day, delta, DAY_TTL)

@@ -288,3 +288,29 @@ return out
         index, next_start = month_of(day * DAY_MS + 12 * 3_600_000)
         expected += [index, next_start // DAY_MS]
     assert reply == expected
+
+
+@pytest.mark.parametrize("lag", [61, 200], ids=["a bucket just left: purged by the cursor", "quiet for long: recounted"])
+async def test_redis_window_forgets_buckets_that_left(redis_server: RedisServer, tenant: str, lag: int) -> None:
+    # White box: the script keeps a running sum 'n' and a purge cursor 'p' beside the buckets.
+    # Move this tenant's three requests back in time, as if they were admitted `lag` seconds ago.
+    store = RedisStore.from_url(redis_server.url)
+    admin = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        quota = Quota(Limits(rpm=10))
+        assert len(await admit_all(store, tenant, quota, [0, 0, 0])) == 3
+        key = f"llmgw:quota:{{{tenant.replace('{', '%7B').replace('}', '%7D')}}}:t:rq"
+        window = await admin.hgetall(key)
+        buckets = {int(k): int(v) for k, v in window.items() if k.isdigit()}
+        bucket = max(buckets)  # (the three may straddle a second)
+        assert (sum(buckets.values()), int(window["n"])) == (3, 3)
+        await admin.delete(key)
+        await admin.hset(key, mapping={str(bucket - lag): 3, "n": 3, "p": bucket - lag})
+        decision = await store.admit(ask(tenant), quota)
+        figure = decision.tightest(LimitKind.REQUESTS)
+        assert figure is not None and figure.remaining == 9  # the old three no longer count
+        window = await admin.hgetall(key)
+        assert str(bucket - lag) not in window and int(window["n"]) == 1
+    finally:
+        await store.close()
+        await admin.aclose()
