@@ -236,10 +236,16 @@ class Gateway:
         set_headers.extend(state.rate_headers)  # copied onto the response by Envoy (envoy.yaml)
         if model.pool.credential:
             set_headers.append(("authorization", f"Bearer {model.pool.credential}"))
-        new_body = None
+        rewritten = False
         if requested != model.name:  # an alias: pods know the model by its served name
             parsed.raw["model"] = model.name
-            new_body = orjson.dumps(parsed.raw)
+            rewritten = True
+        if needs_usage_chunk(parsed):  # exact usage for the ledger; Envoy's Lua filter drops the chunk
+            parsed.raw["stream_options"] = {**(parsed.raw.get("stream_options") or {}), "include_usage": True}
+            set_headers.append((STRIP_USAGE_HEADER, "1"))
+            rewritten = True
+        new_body = orjson.dumps(parsed.raw) if rewritten else None
+        if new_body is not None:
             set_headers.append(("content-length", str(len(new_body))))
         return Continue(set_headers=tuple(set_headers), body=new_body, clear_route_cache=True)
 
@@ -359,3 +365,25 @@ def _models_list(config: GatewayConfig) -> bytes:
     cards = [_model_card(m.name, m) for m in config.models]
     cards += [_model_card(alias, m) for m in config.models for alias in m.aliases]
     return orjson.dumps({"object": "list", "data": cards})
+
+
+# -- usage of streamed responses --------------------------------------------------------------
+
+# Set on a request whose usage chunk the gateway asked for: the Lua filter of envoy/envoy.yaml
+# removes the header before the pod, and the chunk (`"choices":[]` with a `usage` object) before
+# the client. x-llmgw-* from a client is stripped in request_headers, so it cannot be forged.
+STRIP_USAGE_HEADER = "x-llmgw-strip-usage"
+
+
+def needs_usage_chunk(parsed: ParsedRequest) -> bool:
+    """True for a streamed (chat) completion whose client did not ask for
+    ``stream_options.include_usage``: the pod reports usage only in that final chunk."""
+    request = parsed.model
+    if isinstance(request, EmbeddingRequest) or not request.stream:
+        return False
+    options = request.stream_options
+    if options is None:
+        return True
+    # vLLM's continuous_usage_stats puts usage in every chunk once include_usage is on: a client
+    # that set it without include_usage would start seeing usage, so it keeps the text count.
+    return not options.include_usage and not getattr(options, "continuous_usage_stats", None)

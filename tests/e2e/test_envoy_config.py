@@ -35,3 +35,14 @@ def test_render_refuses_a_config_without_the_named_listener(tmp_path: Path) -> N
     source.write_text((ROOT / "envoy" / "envoy.yaml").read_text().replace("name: llm_gateway", "name: other"))
     with pytest.raises(KeyError, match="llm_gateway"):
         envoyconf.render(source, listen_port=1, extproc_port=2, admin_port=3)
+
+
+def test_usage_strip_filter_sits_between_the_decision_and_the_observer() -> None:
+    # Responses run the filters in reverse: the observer must see the usage chunk the Lua filter drops.
+    rendered = envoyconf.render(ROOT / "envoy" / "envoy.yaml", listen_port=1, extproc_port=2, admin_port=3)
+    listener = rendered["static_resources"]["listeners"][0]
+    filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+    assert [f["typed_config"]["@type"].rpartition(".")[2] for f in filters] == [
+        "ExternalProcessor", "Lua", "ExternalProcessor", "Router"]
+    assert filters[2]["typed_config"]["observability_mode"] is True
+    assert "x-llmgw-strip-usage" in filters[1]["typed_config"]["default_source_code"]["inline_string"]
