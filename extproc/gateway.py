@@ -8,6 +8,7 @@ request body    -> parse and validate the OpenAI request, resolve the model (ali
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -19,9 +20,10 @@ import orjson
 from extproc.api import OPERATIONS_BY_PATH, ApiError, EmbeddingRequest, Operation, ParsedRequest, parse_request
 from extproc.config import GatewayConfig, Model, Tenant, hash_key
 from extproc.decisions import Admit, Continue, Decision, Headers, Reply
+from extproc.keys import KeySnapshot
 from extproc.observer import ResponseObservation, Usage
 from extproc.predict import OutputLengthPredictor
-from extproc.quota.limits import Admission, Lease, LimitKind, Quota
+from extproc.quota.limits import Admission, Lease, LimitKind, format_duration
 from extproc.quota.limits import Decision as QuotaVerdict
 from extproc.tokens import BpeEstimator, FallbackEstimator, TokenEstimator
 from extproc.routing.picker import EndpointPicker
@@ -34,6 +36,7 @@ ROUTE_HEADER = "x-llmgw-route"
 MODEL_HEADER = "x-llmgw-model"
 POOL_HEADER = "x-llmgw-pool"
 TENANT_HEADER = "x-llmgw-tenant"
+QOS_HEADER = "x-llmgw-qos"  # a client asks for a QoS class with it; the gateway sets the one granted
 RATELIMIT_PREFIX = "x-ratelimit-"
 ROUTE_DIRECT = "direct"
 MODELS_PATH = "/v1/models"
@@ -55,7 +58,9 @@ class RequestState:
     rejected: ApiError | None = None
     released: bool = False
     tenant: Tenant | None = None
+    qos: str = ""  # the tenant's QoS class for this request
     reserved_tokens: int = 0
+    reserved_cost: int = 0  # micro-dollars
     lease: Lease | None = None  # a quota admission to settle when the response ends
     settled: bool = False
     lease_renewed: float = 0.0  # monotonic time of admission or of the last renewal
@@ -79,6 +84,8 @@ class Gateway:
         # Reservations are reconciled to the pod's reported usage, so a cheap estimate will do here.
         self._estimator = estimator or FallbackEstimator()
         self.predictor = predictor or OutputLengthPredictor()
+        # Keys added with `llmgw keys add`: a snapshot of Redis's table, swapped whole by its watcher.
+        self.redis_keys = KeySnapshot.empty()
         self.reload(config)
         self._active: dict[str, RequestState] = {}  # forwarded requests by the gateway's span id
         # Finished ones, briefly: the observer's messages may be handled after the main stream ended.
@@ -96,6 +103,10 @@ class Gateway:
         }
         self._models_body = _models_list(config)
         self.config = config
+
+    def set_redis_keys(self, snapshot: KeySnapshot) -> None:
+        """Swap in a new snapshot of the keys stored in Redis (the key table's watcher calls this)."""
+        self.redis_keys = snapshot
 
     def new_request(self) -> RequestState:
         """State for a new ext_proc stream."""
@@ -126,6 +137,10 @@ class Gateway:
         state.operation = operation
         if self.config.auth_required and not self._authenticate(state, headers):
             return self._unauthorized(state)
+        if state.tenant is not None:
+            refused = self._choose_qos(state, state.tenant, headers.get(QOS_HEADER))
+            if refused is not None:
+                return refused
 
         content_type = headers.get("content-type", "")
         if content_type.partition(";")[0].strip().lower() != "application/json":
@@ -163,18 +178,22 @@ class Gateway:
                 404, f"The model '{requested}' does not exist or you do not have access to it.",
                 param="model", code="model_not_found"))
         state.model = model
-        limits = state.tenant.limits if state.tenant is not None else None
-        if limits is None:
+        quota = state.tenant.quota(state.qos) if state.tenant is not None else None
+        if quota is None:
             return self._route(state)
         assert state.tenant is not None and state.trace is not None
-        state.reserved_tokens = self._reserve(state, parsed)
-        admission = Admission(tenant=state.tenant.name, lease_id=state.trace.span_id,
-                              reserve_tokens=state.reserved_tokens)
-        return Admit(admission, Quota(limits))
+        input_tokens, output_tokens = self._reserve(state, parsed)
+        state.reserved_tokens = input_tokens + output_tokens
+        state.reserved_cost = micro_dollars(model.prices.cost(input_tokens, output_tokens, 0))
+        admission = Admission(tenant=state.tenant.name, lease_id=state.trace.span_id, qos=state.qos,
+                              reserve_tokens=state.reserved_tokens, reserve_cost=state.reserved_cost)
+        return Admit(admission, quota)
 
     def admitted(self, state: RequestState, verdict: QuotaVerdict) -> Decision:
         """The quota store's verdict: route the request, or answer 429 naming the limit."""
         if not verdict.admitted:
+            if verdict.refused_by is not None and verdict.refused_by.is_budget:
+                return self._reject(state, _over_budget(state, verdict), verdict.headers())
             return self._reject(state, _rate_limited(state, verdict), verdict.headers())
         state.lease = verdict.lease
         state.lease_renewed = time.monotonic()
@@ -197,6 +216,15 @@ class Gateway:
         state.settled = True
         return state.lease
 
+    def charge_of(self, state: RequestState, usage: Usage | None) -> tuple[int | None, int | None]:
+        """What a finished request really used: tokens, and micro-dollars at its model's prices
+        (``None``, ``None`` without usage: the reservation then stands)."""
+        if usage is None:
+            return None, None
+        prices = state.model.prices if state.model is not None else None
+        cost = prices.cost(usage.input_tokens, usage.output_tokens, usage.cached_tokens) if prices else 0.0
+        return usage.total, micro_dollars(cost)
+
     def usage_of(self, state: RequestState, observation: ResponseObservation) -> tuple[Usage | None, bool]:
         """The request's usage: as the pod reported it, else counted from the streamed text (a pod
         that sends no usage chunk, or a client that hung up); the flag says it was estimated."""
@@ -208,15 +236,15 @@ class Gateway:
             state.input_estimate = self._estimator.estimate(state.request).total if state.request else 0
         return state.input_estimate
 
-    def _reserve(self, state: RequestState, parsed: ParsedRequest) -> int:
-        """Tokens to hold: the input estimate plus the predicted output (capped by max_tokens)."""
+    def _reserve(self, state: RequestState, parsed: ParsedRequest) -> tuple[int, int]:
+        """Tokens to hold: the input estimate and the predicted output (capped by max_tokens)."""
         request = parsed.model
         input_tokens = self._input_estimate(state)
         if isinstance(request, EmbeddingRequest):
-            return input_tokens
+            return input_tokens, 0
         n = getattr(request, "n", None) or 1
         key = (state.tenant.name if state.tenant else "", state.model.name if state.model else "")
-        return input_tokens + self.predictor.predict(key, request.output_limit, n)
+        return input_tokens, self.predictor.predict(key, request.output_limit, n)
 
     def _route(self, state: RequestState) -> Decision:
         """Pick the endpoint and set the routing headers (and the new body for an alias)."""
@@ -233,6 +261,7 @@ class Gateway:
         ]
         if state.tenant is not None:
             set_headers.append((TENANT_HEADER, state.tenant.name))
+            set_headers.append((QOS_HEADER, state.qos))
         set_headers.extend(state.rate_headers)  # copied onto the response by Envoy (envoy.yaml)
         if model.pool.credential:
             set_headers.append(("authorization", f"Bearer {model.pool.credential}"))
@@ -276,8 +305,25 @@ class Gateway:
         key = presented_key(headers)
         if key is None:
             return False
-        state.tenant = self.config.tenant_for(hash_key(key))
-        return state.tenant is not None
+        digest = hash_key(key)
+        tenant = self.config.tenant_for(digest)
+        if tenant is None and (name := self.redis_keys.tenant_name(digest)) is not None:
+            # A key in Redis names its tenant; one the config does not declare (any more) is refused.
+            tenant = self.config.tenants_by_name.get(name)
+        state.tenant = tenant
+        return tenant is not None
+
+    def _choose_qos(self, state: RequestState, tenant: Tenant, asked: str | None) -> Reply | None:
+        """The class the client asked for (``x-llmgw-qos``) if the tenant may use it, else its default."""
+        if asked is None or not asked.strip():
+            state.qos = tenant.qos[0]
+            return None
+        if asked.strip() not in tenant.qos:
+            return self._reject(state, ApiError(
+                403, f"QoS class {asked.strip()!r} is not allowed for this key; allowed: {', '.join(tenant.qos)}.",
+                param=QOS_HEADER, code="qos_class_not_allowed"))
+        state.qos = asked.strip()
+        return None
 
     def _unauthorized(self, state: RequestState) -> Reply:
         # OpenAI answers a missing and a wrong key alike: 401 invalid_api_key; the key is never echoed.
@@ -326,6 +372,27 @@ def _rate_limited(state: RequestState, verdict: QuotaVerdict) -> ApiError:
     message = f"Rate limit reached for {tenant}{scope} on {_LIMIT_NAMES[kind]}{limit}.{wait}"
     kind_type = "tokens" if kind in (LimitKind.TOKENS, LimitKind.DAILY_TOKENS) else "requests"
     return ApiError(429, message, type=kind_type, code="rate_limit_exceeded")
+
+
+def _over_budget(state: RequestState, verdict: QuotaVerdict) -> ApiError:
+    """A spending budget ran out: OpenAI's ``insufficient_quota``, with HTTP 402 (Payment Required)
+    rather than OpenAI's 429, so that clients do not retry what only a new period can fix."""
+    kind = verdict.refused_by or LimitKind.DAILY_COST
+    figure = verdict.tightest(kind)
+    tenant = state.tenant.name if state.tenant else "this key"
+    period = "daily" if kind is LimitKind.DAILY_COST else "monthly"
+    budget = f" of ${figure.limit / 1e6:,.2f}" if figure is not None else ""
+    if verdict.retry_after_ms is None:
+        when = " This request alone would exceed it."
+    else:
+        when = f" It resets in {format_duration(verdict.retry_after_ms)} (UTC {'midnight' if period == 'daily' else 'month start'})."
+    return ApiError(402, f"You exceeded your current quota: {tenant} has used its {period} spending budget{budget}.{when}",
+                    type="insufficient_quota", code="insufficient_quota")
+
+
+def micro_dollars(cost: float) -> int:
+    """A cost in whole micro-dollars, rounded up (a budget is never under-charged)."""
+    return math.ceil(cost * 1_000_000 - 1e-9) if cost > 0 else 0
 
 
 _LIMIT_NAMES = {

@@ -28,12 +28,14 @@ from extproc.api import ApiError
 from extproc.config import LEDGER_PATH_ENV, QUOTA_PATH_ENV, ConfigError, GatewayConfig, load_config
 from extproc.decisions import PASS_THROUGH, Admit, Decision, Reply
 from extproc.gateway import Gateway, RequestState
+from extproc.keys import RedisKeyTable
 from extproc.ledger import FileLedger, LedgerSink, RedisLedger, usage_record
 from extproc.observer import ResponseObservation, Usage
 from extproc.phases import Phase, ProtocolError, Stage, advance, check
 from extproc.quota import FallbackStore, MemoryStore, OnStoreError, QuotaStore, StoreUnavailable
 from extproc.quota.redis_store import RedisStore
 from extproc.routing.picker import LeastInFlight
+from extproc.telemetry.metrics import MULTIPROC_ENV, GatewayMetrics, serve_metrics
 from extproc.wire import headers_to_dict, to_response
 
 log = logging.getLogger("llmgw.extproc")
@@ -50,10 +52,12 @@ _INTERNAL_ERROR = ApiError(500, "The gateway failed to process the request; it w
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     """The servicer: one ``Process`` stream per HTTP request and filter."""
 
-    def __init__(self, gateway: Gateway, store: QuotaStore | None = None, ledger: LedgerSink | None = None) -> None:
+    def __init__(self, gateway: Gateway, store: QuotaStore | None = None, ledger: LedgerSink | None = None,
+                 metrics: GatewayMetrics | None = None) -> None:
         self.gateway = gateway
         self.store = store or MemoryStore()
         self.ledger = ledger
+        self.metrics = metrics
         self._tasks: set[asyncio.Task[None]] = set()
         # Admitted requests whose lease is not settled yet, by span id, and (for those whose stream
         # has ended) when to settle them without usage. One housekeeping loop serves them all:
@@ -90,6 +94,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 if isinstance(decision, Admit):
                     decision = await self._admit(state, decision)
                 stage = advance(stage, phase, answered=isinstance(decision, Reply), end_of_stream=end_of_stream)
+                if isinstance(decision, Reply) and state.rejected is not None and self.metrics is not None:
+                    self.metrics.record_rejection(state.rejected.status, state.rejected.code)
                 yield to_response(phase, decision)
         except ProtocolError as error:
             log.error("ext_proc protocol error: %s (request_id=%s)", error, state.request_id if state else "-")
@@ -157,8 +163,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         if state is not None:
             lease = self.gateway.settle(state, usage)
             if lease is not None:
-                self._spawn(self.store.release(lease, usage.total if usage is not None else None))
+                self._spawn(self.store.release(lease, *self.gateway.charge_of(state, usage)))
         _log_access(observation, usage, estimated)
+        if self.metrics is not None:
+            self.metrics.record_response(observation, usage, estimated)
         if self.ledger is not None and observation.prices is not None:
             record = usage_record(observation, observation.tenant, observation.prices, usage, estimated)
             self._spawn(self.ledger.append(record))
@@ -235,7 +243,7 @@ def build_ledger(config: GatewayConfig) -> LedgerSink | None:
 
 
 def build_server(config: GatewayConfig, gateway: Gateway | None = None, store: QuotaStore | None = None,
-                 ledger: LedgerSink | None = None) -> grpc.aio.Server:
+                 ledger: LedgerSink | None = None, metrics: GatewayMetrics | None = None) -> grpc.aio.Server:
     """A grpc.aio server carrying the servicer; messages as large as Envoy may buffer."""
     # At least what Envoy may buffer (per_connection_buffer_limit_bytes in envoy.yaml), so that an
     # oversize chunked body reaches the gateway and gets an OpenAI-style 413, not a gRPC error.
@@ -248,7 +256,8 @@ def build_server(config: GatewayConfig, gateway: Gateway | None = None, store: Q
             ("grpc.max_concurrent_streams", 10000),
         ]
     )
-    servicer = ExternalProcessor(gateway or Gateway(config, LeastInFlight()), store or build_store(config), ledger)
+    servicer = ExternalProcessor(gateway or Gateway(config, LeastInFlight()), store or build_store(config), ledger,
+                                 metrics)
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     return server
 
@@ -272,24 +281,46 @@ async def watch_config(path: Path, gateway: Gateway, interval: float = RELOAD_IN
             log.error("config reload refused, keeping the running config: %s", error)
 
 
+async def export_stats(metrics: GatewayMetrics, store: QuotaStore, ledger: LedgerSink | None) -> None:
+    """Copy the quota store's and the ledger's counters into the metrics, once a second."""
+    stats = store.stats if isinstance(store, FallbackStore) else None
+    while True:
+        metrics.sync(stats, ledger)
+        await asyncio.sleep(1.0)
+
+
 async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[int], None],
-                config_path: Path | None = None) -> None:
-    """Run until SIGTERM/SIGINT, then drain streams for up to 5 s; reload ``config_path`` on change."""
+                config_path: Path | None = None, metrics_port: int | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then drain streams for up to 5 s; reload ``config_path`` on change.
+
+    Metrics go to ``$PROMETHEUS_MULTIPROC_DIR`` (the launcher serves the node's sum), or are
+    served here on ``metrics_port``.
+    """
     gateway = Gateway(config, LeastInFlight())
-    store, ledger = build_store(config), build_ledger(config)
-    server = build_server(config, gateway, store, ledger)
+    store, ledger, metrics = build_store(config), build_ledger(config), GatewayMetrics()
+    if metrics_port is not None and not os.environ.get(MULTIPROC_ENV):
+        serve_metrics(metrics_port, host, registry=metrics.registry)
+    server = build_server(config, gateway, store, ledger, metrics)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     ready(bound)
     watcher = asyncio.create_task(watch_config(config_path, gateway)) if config_path else None
+    # Keys stored in Redis: each process polls the table's version (1 s) and swaps in a snapshot,
+    # so lookups never wait on Redis and a revoked key stops working within about a second.
+    key_table = RedisKeyTable.from_url(config.redis_url) if config.redis_url else None
+    key_watcher = asyncio.create_task(key_table.watch(gateway.set_redis_keys)) if key_table else None
+    exporter = asyncio.create_task(export_stats(metrics, store, ledger))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    if watcher is not None:
-        watcher.cancel()
+    for task in (watcher, key_watcher, exporter):
+        if task is not None:
+            task.cancel()
     await server.stop(grace=5)
+    if key_table is not None:
+        await key_table.aclose()
     if ledger is not None:
         await ledger.close()  # flush what Redis can still take
     await store.close()
@@ -307,6 +338,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default=None)
     parser.add_argument("--port", type=int, default=None)
     parser.add_argument("--log-level", default=os.environ.get("LLMGW_LOG_LEVEL", "INFO"))
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus /metrics here (one worker; `llmgw serve` sums several)")
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     config = load_config(args.config)
@@ -319,9 +352,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(config, host, port, ready, Path(args.config)))
+        asyncio.run(serve(config, host, port, ready, Path(args.config), args.metrics_port))
     else:
-        uvloop.run(serve(config, host, port, ready, Path(args.config)))
+        uvloop.run(serve(config, host, port, ready, Path(args.config), args.metrics_port))
 
 
 if __name__ == "__main__":

@@ -118,3 +118,92 @@ async def test_observer_settles_with_usage_even_after_the_main_stream_ended(gate
     assert stats is not None and stats.observations == 1  # the observer found the finished request
     await asyncio.sleep(0.15)  # one housekeeping round: the settled lease is forgotten
     assert servicer._leased == {}
+
+
+PRICED = {**CONFIG,
+          "models": [{**CONFIG["models"][0], "price": {"input": 1000.0, "output": 2000.0}}],  # $ per 1M tokens
+          "tenants": [
+              {"name": "team-q", "keys": [{"sha256": hash_key("sk-q").hex()}], "qos": ["interactive", "batch"],
+               "limits": {"rpm": 100}, "qos_limits": {"batch": {"rpm": 1}}},
+              {"name": "team-b", "keys": [{"sha256": hash_key("sk-b").hex()}], "budget": {"daily_usd": 1.0}},
+          ]}
+
+
+@pytest.fixture
+def priced() -> Gateway:
+    return Gateway(parse_config(PRICED, env={"POOL_KEY": "p"}), LeastInFlight(random.Random(0)))
+
+
+@pytest.mark.parametrize("asked, granted", [
+    pytest.param(None, "interactive", id="no header: the tenant's first class"),
+    pytest.param("batch", "batch", id="an allowed class"),
+    pytest.param(" batch ", "batch", id="spaces are ignored"),
+])
+def test_qos_class_is_chosen_from_the_header(priced: Gateway, asked: str | None, granted: str) -> None:
+    state = priced.new_request()
+    extra = {"x-llmgw-qos": asked} if asked is not None else {}
+    assert isinstance(priced.request_headers(state, post_headers(authorization="Bearer sk-q", **extra), False),
+                      Continue)
+    ask = priced.request_body(state, CHAT)
+    assert isinstance(ask, Admit) and ask.admission.qos == granted == state.qos
+
+
+def test_a_class_the_tenant_may_not_use_is_403(priced: Gateway) -> None:
+    state = priced.new_request()
+    reply = priced.request_headers(state, post_headers(authorization="Bearer sk-q", **{"x-llmgw-qos": "gold"}), False)
+    assert isinstance(reply, Reply) and reply.status == 403
+    error = orjson.loads(reply.body)["error"]
+    assert (error["code"], error["param"]) == ("qos_class_not_allowed", "x-llmgw-qos")
+    assert "interactive, batch" in error["message"]
+
+
+async def test_each_class_has_its_own_limit_on_top_of_the_tenants(priced: Gateway) -> None:
+    store = MemoryStore()
+
+    async def send(qos: str) -> Continue | Reply:
+        state = priced.new_request()
+        priced.request_headers(state, post_headers(authorization="Bearer sk-q", **{"x-llmgw-qos": qos}), False)
+        ask = priced.request_body(state, CHAT)
+        assert isinstance(ask, Admit)
+        return priced.admitted(state, await store.admit(ask.admission, ask.quota))
+
+    admitted = await send("batch")
+    assert isinstance(admitted, Continue) and ("x-llmgw-qos", "batch") in admitted.set_headers  # for the pod
+    refused = await send("batch")  # the batch class allows 1 per minute
+    assert isinstance(refused, Reply) and refused.status == 429
+    assert "for QoS class" in orjson.loads(refused.body)["error"]["message"]
+    assert isinstance(await send("interactive"), Continue)  # the tenant's own 100 still has room
+
+
+async def test_spending_budget_reserves_cost_and_refuses_with_402(priced: Gateway) -> None:
+    store = MemoryStore()
+
+    def ask() -> tuple[RequestState, Admit]:
+        state = priced.new_request()
+        priced.request_headers(state, post_headers(authorization="Bearer sk-b"), False)
+        admit = priced.request_body(state, CHAT)
+        assert isinstance(admit, Admit)
+        return state, admit
+
+    state, admit = ask()
+    # $1000 per 1M input and $2000 per 1M output tokens: a micro-dollar is 1/1000 of an input token.
+    expected = 1000 * state.input_estimate + 2000 * (state.reserved_tokens - state.input_estimate)
+    assert admit.admission.reserve_cost == state.reserved_cost == expected
+    spent = 0
+    while isinstance(decision := priced.admitted(state, await store.admit(admit.admission, admit.quota)), Continue):
+        spent += state.reserved_cost
+        state, admit = ask()
+    assert spent <= 1_000_000 < spent + state.reserved_cost  # admitted until the next would pass $1
+    assert decision.status == 402
+    error = orjson.loads(decision.body)["error"]
+    assert (error["type"], error["code"]) == ("insufficient_quota", "insufficient_quota")
+    assert "daily spending budget of $1.00" in error["message"] and "team-b" in error["message"]
+    assert int(dict(decision.headers)["retry-after"]) >= 1  # until UTC midnight
+
+
+def test_charge_of_prices_the_real_usage(priced: Gateway) -> None:
+    state = priced.new_request()
+    priced.request_headers(state, post_headers(authorization="Bearer sk-b"), False)
+    priced.request_body(state, CHAT)
+    assert priced.charge_of(state, Usage(10, 20)) == (30, 10 * 1000 + 20 * 2000)
+    assert priced.charge_of(state, None) == (None, None)  # no usage: the reservation stands
