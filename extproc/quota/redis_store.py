@@ -39,6 +39,7 @@ from extproc.quota.resp import PipelinedConnection, RedisReplyError
 from extproc.quota.store import StoreUnavailable, tag
 
 _ADMIT_KEYS = ("rq", "tk", "ls", "dy", "dc", "mc")
+_KINDS = tuple(LimitKind)  # iterating the enum class itself is slow on the hot path
 _SETTLE_KEYS = ("tk", "ls", "dy", "dc", "mc")
 # A settlement that frees nothing another request waits for (no concurrency slot) may wait this
 # long to share a write with others.
@@ -355,6 +356,7 @@ class RedisStore:
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self.prefix = prefix
         self._sha = {script: hashlib.sha1(script.encode()).hexdigest() for script in (ADMIT, SETTLE, RENEW)}
+        self._key_cache: dict[tuple[str, str, tuple[str, ...]], tuple[str, ...]] = {}
 
     @classmethod
     def from_url(cls, url: str, *, timeout_s: float = 0.5, lease_ttl_s: float = 60.0,
@@ -365,14 +367,19 @@ class RedisStore:
                                           batch_s=settle_batch_s)
         return cls(connection, lease_ttl_s=lease_ttl_s)
 
-    def _keys(self, tenant: str, qos: str, suffixes: Sequence[str]) -> list[str]:
-        base = f"{self.prefix}:{{{tag(tenant)}}}"
-        keys = [f"{base}:open"]
-        for scope in ("t", f"q:{tag(qos)}") if qos else ("t",):
-            keys += [f"{base}:{scope}:{suffix}" for suffix in suffixes]
-        return keys
+    def _keys(self, tenant: str, qos: str, suffixes: tuple[str, ...]) -> tuple[str, ...]:
+        found = self._key_cache.get((tenant, qos, suffixes))
+        if found is None:
+            base = f"{self.prefix}:{{{tag(tenant)}}}"
+            keys = [f"{base}:open"]
+            for scope in ("t", f"q:{tag(qos)}") if qos else ("t",):
+                keys += [f"{base}:{scope}:{suffix}" for suffix in suffixes]
+            if len(self._key_cache) >= 10_000:  # bounded: tenants x classes x scripts
+                self._key_cache.clear()
+            found = self._key_cache[(tenant, qos, suffixes)] = tuple(keys)
+        return found
 
-    async def _run(self, script: str, keys: list[str], args: list[str | int], *, later: bool = False) -> object:
+    async def _run(self, script: str, keys: Sequence[str], args: list[str | int], *, later: bool = False) -> object:
         sha = self._sha[script]
         try:
             try:
@@ -395,15 +402,14 @@ class RedisStore:
             args += [-1 if limit is None else limit for limit in limits.as_tuple()]
         reply = await self._run(ADMIT, self._keys(admission.tenant, admission.qos, _ADMIT_KEYS), args)
         assert isinstance(reply, list)
-        admitted, kind, scope, retry, now, *raw = (int(value) for value in reply)
+        admitted, kind, scope, retry, now, *raw = reply  # Lua numbers arrive as Redis integers
         figures = []
-        kinds = len(LimitKind)
         for index, (scope_name, _) in enumerate(scopes):
-            for limit_kind in LimitKind:
-                at = 3 * (kinds * index + limit_kind)
-                limit, remaining, reset = raw[at:at + 3]
-                if limit >= 0:
-                    figures.append(Figure(scope_name, limit_kind, limit, remaining, reset))
+            base = 3 * len(_KINDS) * index
+            for limit_kind in _KINDS:
+                at = base + 3 * limit_kind
+                if raw[at] >= 0:
+                    figures.append(Figure(scope_name, limit_kind, raw[at], raw[at + 1], raw[at + 2]))
         if not admitted:
             return Decision(False, tuple(figures), LimitKind(kind), scopes[scope - 1][0],
                             None if retry < 0 else retry)
