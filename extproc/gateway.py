@@ -385,9 +385,10 @@ def _over_budget(state: RequestState, verdict: QuotaVerdict) -> ApiError:
     if verdict.retry_after_ms is None:
         when = " This request alone would exceed it."
     else:
-        when = f" It resets in {format_duration(verdict.retry_after_ms)} (UTC {'midnight' if period == 'daily' else 'month start'})."
-    return ApiError(402, f"You exceeded your current quota: {tenant} has used its {period} spending budget{budget}.{when}",
-                    type="insufficient_quota", code="insufficient_quota")
+        boundary = "midnight" if period == "daily" else "the start of the month"
+        when = f" It resets in {format_duration(verdict.retry_after_ms)} (at {boundary}, UTC)."
+    message = f"You exceeded your current quota: {tenant} has used its {period} spending budget{budget}.{when}"
+    return ApiError(402, message, type="insufficient_quota", code="insufficient_quota")
 
 
 def micro_dollars(cost: float) -> int:
