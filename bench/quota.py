@@ -5,7 +5,7 @@ two tenants: one without limits (quotas off: no store call) and one with limits 
 (quotas on: one atomic Lua admission and one settlement per request). Rounds alternate between the
 two API keys; figures are medians over rounds. Prints one JSON line; writes bench/results/quota.json.
 
-    python -m bench.quota [--rounds 3] [--requests-c1 500] [--requests-c32 2000]
+    python -m bench.quota [--rounds 5] [--requests-c1 500] [--requests-c32 2000]
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ async def measure(args: argparse.Namespace, port: int, extproc_pids: list[int], 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.quota", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests-c1", type=int, default=500)
     parser.add_argument("--requests-c32", type=int, default=2000)
     args = parser.parse_args()
