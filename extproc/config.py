@@ -142,6 +142,14 @@ class QuotaSpec(_Strict):
     local_path: str | None = None  # SQLite file shared by this node's workers (else LLMGW_QUOTA_PATH)
 
 
+class KeysSpec(_Strict):
+    """API keys stored in Redis (`llmgw keys add`): how each process follows the table."""
+
+    poll_s: Annotated[float, Field(gt=0)] = 1.0  # a revoked key stops working within about this
+    # While Redis is unreachable: keep the last snapshot (null), or refuse Redis-held keys after this long.
+    max_stale_s: Annotated[float, Field(gt=0)] | None = None
+
+
 class TenantSpec(_Strict):
     """A tenant: who its API keys belong to, the QoS classes it may use and tags for accounting."""
 
@@ -182,6 +190,7 @@ class GatewaySpec(_Strict):
     # With tenants, every request needs one of their API keys (401 otherwise); without, no auth.
     tenants: list[TenantSpec] = Field(default_factory=list)
     quota: QuotaSpec = Field(default_factory=QuotaSpec)
+    keys: KeysSpec = Field(default_factory=KeysSpec)
 
     @model_validator(mode="after")
     def _cross_references(self) -> GatewaySpec:
@@ -265,6 +274,7 @@ class GatewayConfig:
     key_filter: BloomFilter = field(default_factory=BloomFilter, repr=False)
     auth_required: bool = False
     quota: QuotaSpec = field(default_factory=QuotaSpec)
+    keys: KeysSpec = field(default_factory=KeysSpec)
 
     def lookup(self, requested: str) -> Model | None:
         """The model a client's ``model`` field names, through aliases; None when unknown."""
@@ -327,7 +337,7 @@ def compile_spec(spec: GatewaySpec, *, env: dict[str, str] | os._Environ[str]) -
         if not t.keys and redis_url is None:
             raise ConfigError(f"tenants[{i}].keys: empty, and no redis_url to hold keys added with `llmgw keys add`")
     return GatewayConfig(by_name, models, pools, spec.server.max_body_bytes, spec.server, redis_url,
-                         keys, tenants, BloomFilter(keys), bool(spec.tenants), spec.quota)
+                         keys, tenants, BloomFilter(keys), bool(spec.tenants), spec.quota, spec.keys)
 
 
 def _tokenizer_path(spec: str | None, where: str) -> Path | None:

@@ -308,7 +308,8 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     # Keys stored in Redis: each process polls the table's version (1 s) and swaps in a snapshot,
     # so lookups never wait on Redis and a revoked key stops working within about a second.
     key_table = RedisKeyTable.from_url(config.redis_url) if config.redis_url else None
-    key_watcher = asyncio.create_task(key_table.watch(gateway.set_redis_keys)) if key_table else None
+    key_watcher = asyncio.create_task(key_table.watch(
+        gateway.set_redis_keys, config.keys.poll_s, max_stale_s=config.keys.max_stale_s)) if key_table else None
     exporter = asyncio.create_task(export_stats(metrics, store, ledger))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -132,9 +132,10 @@ def test_observation_keeps_a_bounded_tail() -> None:
         (lambda c: c.update(tenants=[{"name": "t", "keys": [{"env": "POOL_KEY"}], "budget": {"weekly_usd": 1}}]),
          "tenants[0].budget.weekly_usd: unknown field"),
         (lambda c: c.update(tenants=[{"name": "t"}]), "tenants[0].keys: empty, and no redis_url"),
+        (lambda c: c.update(keys={"poll_s": 0}), "keys.poll_s: Input should be greater than 0"),
     ],
     ids=["endpoint", "hostname", "unknown-field", "unknown-pool", "duplicate-alias", "negative-limit", "duplicate-pool",
-         "qos-limits-unknown-class", "negative-budget", "unknown-budget-period", "no-keys-anywhere"],
+         "qos-limits-unknown-class", "negative-budget", "unknown-budget-period", "no-keys-anywhere", "zero-poll"],
 )
 def test_config_errors_name_the_field(change, message: str) -> None:  # noqa: ANN001
     import copy
