@@ -229,7 +229,7 @@ class Gateway:
         """The request's usage: as the pod reported it, else counted from the streamed text (a pod
         that sends no usage chunk, or a client that hung up); the flag says it was estimated."""
         counter = self._counters.get(state.model.tokenizer) if state.model and state.model.tokenizer else None
-        return observation.final_usage((counter or self._estimator).count_text, self._input_estimate(state))
+        return observation.final_usage((counter or self._estimator).count_text, lambda: self._input_estimate(state))
 
     def _input_estimate(self, state: RequestState) -> int:
         if state.input_estimate is None:

@@ -172,13 +172,15 @@ class ResponseObservation:
                 if isinstance(text, str) and text:
                     self.deltas.append(text)
 
-    def final_usage(self, count_text: Callable[[str], int], input_estimate: int) -> tuple[Usage | None, bool]:
+    def final_usage(self, count_text: Callable[[str], int], input_estimate: Callable[[], int]
+                    ) -> tuple[Usage | None, bool]:
         """The pod's usage; else, for a stream without a usage chunk, the streamed text counted with
-        ``count_text`` and the gateway's input estimate. The flag says whether it was estimated."""
+        ``count_text`` and the gateway's input estimate (asked for only then). The flag says whether
+        it was estimated."""
         reported = self.usage()
         if reported is not None or not self.deltas:
             return reported, False
-        return Usage(input_estimate, count_text("".join(self.deltas))), True
+        return Usage(input_estimate(), count_text("".join(self.deltas))), True
 
     @property
     def complete(self) -> bool:
