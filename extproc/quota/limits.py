@@ -157,11 +157,6 @@ class Lease:
     reserved_cost: int = 0  # micro-dollars
     holds_slot: bool = True  # a concurrency limit counts it: its release must not wait
 
-    @property
-    def urgent(self) -> bool:
-        """Whether releasing it frees something another request may be waiting for."""
-        return self.holds_slot
-
 
 @dataclass(frozen=True, slots=True)
 class Decision:

@@ -420,7 +420,7 @@ class RedisStore:
     async def _settle(self, lease: Lease, actual_tokens: int | None, actual_cost: int | None, free: bool) -> None:
         args: list[str | int] = [lease.lease_id, -1 if actual_tokens is None else actual_tokens,
                                  lease.admitted_ms, int(free), -1 if actual_cost is None else actual_cost]
-        await self._run(SETTLE, self._keys(lease.tenant, lease.qos, _SETTLE_KEYS), args, later=not lease.urgent)
+        await self._run(SETTLE, self._keys(lease.tenant, lease.qos, _SETTLE_KEYS), args, later=not lease.holds_slot)
 
     async def reconcile(self, lease: Lease, actual_tokens: int, actual_cost: int | None = None) -> None:
         """See ``QuotaStore.reconcile``."""
