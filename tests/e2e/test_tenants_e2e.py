@@ -105,7 +105,10 @@ def test_qos_class_from_the_header_with_its_own_limit(redis_and_stack) -> None: 
     redis, stack = redis_and_stack
     key = f"sk-qos-{uuid.uuid4().hex}"
     _llmgw_keys(redis, "add", "--tenant", "keyed", "--key", key)
-    _until(lambda: _statuses(stack.base_url, key, 1) == {200: 1})
+    # Every worker must know the key first (each polls Redis once a second), or a request could
+    # meet one that does not yet and get 401.
+    _until(lambda: _statuses(stack.base_url, key) == {200: 8})
+    time.sleep(1.2)
     assert _statuses(stack.base_url, key, 3, **{"x-llmgw-qos": "batch"}) == {200: 2, 429: 1}  # batch: 2 rpm
     assert _statuses(stack.base_url, key, 3, **{"x-llmgw-qos": "interactive"}) == {200: 3}
     refused = httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=10,
