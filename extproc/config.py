@@ -63,6 +63,14 @@ class CredentialSpec(_Strict):
         return self
 
 
+class HealthSpec(_Strict):
+    """Active health probes of a pool's pods by every extproc process (vLLM answers ``GET /health``)."""
+
+    path: Annotated[str, Field(pattern=r"^/")] = "/health"
+    interval_s: Annotated[float, Field(gt=0, le=60)] = 0.5
+    timeout_s: Annotated[float, Field(gt=0, le=60)] = 1.0
+
+
 class PoolSpec(_Strict):
     """A set of interchangeable inference pods serving the same models."""
 
@@ -71,6 +79,11 @@ class PoolSpec(_Strict):
     # `llmgw up` starts this many simulated pods and fills `endpoints` with their addresses.
     simulate: Annotated[int, Field(ge=0, le=64)] = 0
     credential: CredentialSpec | None = None
+    # How long a pod may stay silent (before its first byte, or between two) before Envoy gives up
+    # on that attempt and retries once on another pod: generous, as a long prompt's prefill and a
+    # whole non-streamed answer come before the first byte. Envoy's per_try_idle_timeout.
+    first_byte_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 120.0
+    health: HealthSpec = Field(default_factory=HealthSpec)
 
     @model_validator(mode="after")
     def _has_endpoints(self) -> PoolSpec:
@@ -171,6 +184,17 @@ class TenantSpec(_Strict):
         return self
 
 
+class BodyLimitsSpec(_Strict):
+    """Bounds on a request body's structure (extproc.body.BodyLimits): 400 naming the param past them."""
+
+    max_depth: Annotated[int, Field(ge=2, le=200)] = 64
+    max_messages: Annotated[int, Field(ge=1)] = 2048
+    max_tools: Annotated[int, Field(ge=0)] = 128
+    max_content_parts: Annotated[int, Field(ge=0)] = 4096
+    max_prompts: Annotated[int, Field(ge=1)] = 2048
+    max_values: Annotated[int, Field(ge=1)] = 2_000_000
+
+
 class ServerSpec(_Strict):
     """The ext_proc server process settings."""
 
@@ -178,12 +202,23 @@ class ServerSpec(_Strict):
     port: Annotated[int, Field(ge=0, le=65535)] = 50051
     workers: Annotated[int, Field(ge=0, le=256)] = 0  # 0 = one per core
     max_body_bytes: Annotated[int, Field(gt=0, le=1 << 30)] = DEFAULT_MAX_BODY_BYTES
+    # Bodies this large are analyzed in a helper process, so they never stall the event loop.
+    offload_body_bytes: Annotated[int, Field(ge=0)] = 64 * 1024
+    limits: BodyLimitsSpec = Field(default_factory=BodyLimitsSpec)
+
+
+class EnvoySpec(_Strict):
+    """What `llmgw up` writes into the Envoy config it renders (envoy/envoy.yaml has the defaults)."""
+
+    # No byte in either direction for this long ends the stream (HCM stream_idle_timeout).
+    stream_idle_timeout_s: Annotated[float, Field(gt=0, le=86400)] = 300.0
 
 
 class GatewaySpec(_Strict):
     """The whole YAML document."""
 
     server: ServerSpec = Field(default_factory=ServerSpec)
+    envoy: EnvoySpec = Field(default_factory=EnvoySpec)
     redis_url: str | None = None
     pools: list[PoolSpec]
     models: list[ModelSpec]
@@ -226,6 +261,7 @@ class Pool:
     name: str
     endpoints: tuple[str, ...]
     credential: str | None = field(default=None, repr=False)
+    health: HealthSpec = field(default_factory=HealthSpec)
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,7 +359,8 @@ def compile_spec(spec: GatewaySpec, *, env: dict[str, str] | os._Environ[str]) -
     for i, p in enumerate(spec.pools):
         if not p.endpoints:
             raise ConfigError(f"pools[{i}].endpoints: empty (simulated pools get theirs from `llmgw up`)")
-        pools[p.name] = Pool(p.name, tuple(p.endpoints), _read_credential(p.credential, f"pools[{i}].credential", env))
+        pools[p.name] = Pool(p.name, tuple(p.endpoints), _read_credential(p.credential, f"pools[{i}].credential", env),
+                             p.health)
     models = tuple(
         Model(m.name, pools[m.pool], tuple(m.aliases), m.owned_by, m.max_model_len, Prices(**m.price.model_dump()),
               _tokenizer_path(m.tokenizer, f"models[{i}].tokenizer"))

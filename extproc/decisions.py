@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from extproc.api import ApiError
+from extproc.api import ApiError, Operation
+from extproc.body import BodyLimits
 from extproc.quota.limits import Admission, Quota
 
 Headers = tuple[tuple[str, str], ...]
@@ -54,6 +56,17 @@ class Admit:
 
     admission: Admission
     quota: Quota
+
+
+@dataclass(frozen=True, slots=True)
+class Analyze:
+    """Not an answer yet: a large body, for the shell to analyze off the event loop
+    (``extproc.body.analyze`` with these arguments), then hand to ``Gateway.body_analyzed``."""
+
+    operation: Operation
+    body: bytes
+    served_names: Mapping[str, str]
+    limits: BodyLimits
 
 
 Decision = Continue | Reply

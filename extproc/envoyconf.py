@@ -7,6 +7,7 @@ port, found by the names the file gives them.
 
 from __future__ import annotations
 
+import copy
 import shutil
 import sys
 from pathlib import Path
@@ -17,6 +18,8 @@ import yaml
 LISTENER = "llm_gateway"
 EXTPROC_CLUSTER = "llmgw_extproc"
 COORDINATOR_CLUSTER = "llm_coordinator"
+PODS_CLUSTER = "llm_pods"
+DIRECT_ROUTE = "direct"
 
 
 def default_envoy_yaml() -> Path:
@@ -65,8 +68,14 @@ def render(
     listen_host: str | None = None,
     extproc_host: str = "127.0.0.1",
     coordinator: tuple[str, int] | None = None,
+    pools: list[dict[str, Any]] | None = None,
+    stream_idle_timeout_s: float | None = None,
 ) -> dict[str, Any]:
-    """The config of ``source`` with the given addresses; everything else as written."""
+    """The config of ``source`` with the given addresses; everything else as written.
+
+    ``pools`` (the gateway config's, as YAML data, endpoints filled in) become the pods cluster's
+    endpoints and one route per pool with its ``first_byte_timeout_s``.
+    """
     config = yaml.safe_load(source.read_text())
     config["admin"]["address"] = _socket("127.0.0.1", admin_port)
     resources = config["static_resources"]
@@ -78,7 +87,45 @@ def render(
     set_cluster_address(config, EXTPROC_CLUSTER, extproc_host, extproc_port)
     if coordinator is not None:
         set_cluster_address(config, COORDINATOR_CLUSTER, *coordinator)
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    if stream_idle_timeout_s is not None:
+        manager["stream_idle_timeout"] = _duration(stream_idle_timeout_s)
+    if pools:
+        set_pods(config, pools)
     return config
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.3f}".rstrip("0").rstrip(".") + "s"
+
+
+def set_pods(config: dict[str, Any], pools: list[dict[str, Any]]) -> None:
+    """Every pool's endpoints in the pods cluster, and a route per pool (matched on the
+    ``x-llmgw-pool`` extproc sets) carrying the pool's first-byte timeout, ahead of the generic one."""
+    resources = config["static_resources"]
+    cluster = _named(resources["clusters"], PODS_CLUSTER, "cluster")
+    addresses = dict.fromkeys(e for pool in pools for e in pool.get("endpoints", ()))
+    cluster["load_assignment"] = {"cluster_name": PODS_CLUSTER, "endpoints": [{"lb_endpoints": [
+        {"endpoint": {"address": _socket(*_host_port(a))}} for a in addresses]}]}
+    listener = _named(resources["listeners"], LISTENER, "listener")
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = manager["route_config"]["virtual_hosts"][0]["routes"]
+    generic = _named(routes, DIRECT_ROUTE, "route")
+    at = routes.index(generic)
+    for pool in pools:
+        route = copy.deepcopy(generic)
+        route["name"] = f"{DIRECT_ROUTE}-{pool['name']}"
+        route["match"]["headers"] = [*generic["match"]["headers"],
+                                     {"name": "x-llmgw-pool", "string_match": {"exact": pool["name"]}}]
+        if pool.get("first_byte_timeout_s") is not None:
+            route["route"]["retry_policy"]["per_try_idle_timeout"] = _duration(pool["first_byte_timeout_s"])
+        routes.insert(at, route)
+        at += 1
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 def write(config: dict[str, Any], path: Path) -> Path:

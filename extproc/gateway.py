@@ -2,8 +2,9 @@
 
 request headers -> path and method, content type and length, identity (request id, traceparent),
                    internal headers stripped
-request body    -> parse and validate the OpenAI request, resolve the model (aliases), pick an
-                   endpoint of its pool, set the routing headers, rewrite the model name
+request body    -> analyze the body (extproc.body: bounded parse, validation, token estimate; in a
+                   helper process for large bodies), resolve the model (aliases), ask for
+                   admission, pick an endpoint of its pool and a fallback, set the routing headers
 """
 
 from __future__ import annotations
@@ -13,19 +14,21 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import orjson
 
-from extproc.api import OPERATIONS_BY_PATH, ApiError, EmbeddingRequest, Operation, ParsedRequest, parse_request
+from extproc.api import OPERATIONS_BY_PATH, ApiError, Operation
+from extproc.body import BodyFacts, BodyLimits, analyze
 from extproc.config import GatewayConfig, Model, Tenant, hash_key
-from extproc.decisions import Admit, Continue, Decision, Headers, Reply
+from extproc.decisions import Admit, Analyze, Continue, Decision, Headers, Reply
 from extproc.keys import KeySnapshot
 from extproc.observer import ResponseObservation, Usage
 from extproc.predict import OutputLengthPredictor
 from extproc.quota.limits import Admission, Lease, LimitKind, format_duration
 from extproc.quota.limits import Decision as QuotaVerdict
 from extproc.tokens import BpeEstimator, FallbackEstimator, TokenEstimator
+from extproc.routing.health import EndpointHealth
 from extproc.routing.picker import EndpointPicker
 from extproc.telemetry.tracecontext import IdSource, TraceContext, continue_or_start, random_hex, request_id
 
@@ -40,7 +43,9 @@ QOS_HEADER = "x-llmgw-qos"  # a client asks for a QoS class with it; the gateway
 RATELIMIT_PREFIX = "x-ratelimit-"
 ROUTE_DIRECT = "direct"
 MODELS_PATH = "/v1/models"
-RECENT_LIMIT = 4096  # finished requests kept for a late observer message
+RECENT_LIMIT = 4096  # finished forwarded requests kept for a late observer message (O(1) memory each)
+# A client must not steer Envoy: x-envoy-original-dst-host, x-envoy-retry-on, ... are removed.
+ENVOY_PREFIX = "x-envoy-"
 
 
 @dataclass(slots=True)
@@ -54,7 +59,8 @@ class RequestState:
     operation: Operation | None = None
     model: Model | None = None
     endpoint: str | None = None
-    request: ParsedRequest | None = field(default=None, repr=False)
+    facts: BodyFacts | None = None  # what the body said; the parsed JSON itself is not kept
+    new_body: bytes | None = None  # the body to forward when it changed; dropped once sent
     rejected: ApiError | None = None
     released: bool = False
     tenant: Tenant | None = None
@@ -64,7 +70,6 @@ class RequestState:
     lease: Lease | None = None  # a quota admission to settle when the response ends
     settled: bool = False
     lease_renewed: float = 0.0  # monotonic time of admission or of the last renewal
-    input_estimate: int | None = None  # the gateway's own count of the input tokens, once computed
     rate_headers: Headers = ()
 
     def identity_headers(self) -> Headers:
@@ -78,8 +83,10 @@ class Gateway:
     """Turns request phases into decisions, against one immutable config snapshot."""
 
     def __init__(self, config: GatewayConfig, picker: EndpointPicker, new_id: IdSource = random_hex,
-                 estimator: TokenEstimator | None = None, predictor: OutputLengthPredictor | None = None) -> None:
+                 estimator: TokenEstimator | None = None, predictor: OutputLengthPredictor | None = None,
+                 health: EndpointHealth | None = None) -> None:
         self._picker = picker
+        self.health = health or EndpointHealth()
         self._new_id = new_id
         # Reservations are reconciled to the pod's reported usage, so a cheap estimate will do here.
         self._estimator = estimator or FallbackEstimator()
@@ -102,6 +109,8 @@ class Gateway:
             for m in config.models if m.tokenizer is not None
         }
         self._models_body = _models_list(config)
+        self._served_names = {name: model.name for name, model in config.models_by_name.items()}
+        self._limits = BodyLimits(**config.server.limits.model_dump())
         self.config = config
 
     def set_redis_keys(self, snapshot: KeySnapshot) -> None:
@@ -147,6 +156,13 @@ class Gateway:
             return self._reject(state, ApiError(
                 415, f"Unsupported content type {content_type or '(none)'!r}: send 'Content-Type: application/json'.",
                 code="unsupported_media_type"))
+        # Envoy's decompressor decodes (and unlabels) the encodings it knows; any label left is one it
+        # cannot decode, and a pod would read the bytes as JSON.
+        encoding = headers.get("content-encoding", "").strip().lower()
+        if encoding not in ("", "identity"):
+            return self._reject(state, ApiError(
+                415, f"Unsupported content encoding {encoding!r}: send the body as is, or gzip-encoded.",
+                param="content-encoding", code="unsupported_media_type"))
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.config.max_body_bytes:
             return self._too_large(state, int(length))
@@ -160,29 +176,40 @@ class Gateway:
         # a request that never reaches the body phase cannot ride a forged x-llmgw-route.
         return Continue(set_headers=state.identity_headers(), remove_headers=strip, clear_route_cache=True)
 
-    def request_body(self, state: RequestState, body: bytes) -> Decision | Admit:
-        """Validate the body and resolve the model; then route it, or first ask for admission
-        (``Admit``) when the tenant has limits."""
+    def request_body(self, state: RequestState, body: bytes) -> Decision | Admit | Analyze:
+        """Analyze the body here, or (``Analyze``) have the shell analyze a large one off the event
+        loop and hand the result to ``body_analyzed``."""
         assert state.operation is not None, "the phase table lets a body in only after POST headers"
         if len(body) > self.config.max_body_bytes:
             return self._too_large(state, len(body))
+        if len(body) >= self.config.server.offload_body_bytes:
+            return Analyze(state.operation, body, self._served_names, self._limits)
         try:
-            parsed = parse_request(state.operation, body)
+            analyzed = analyze(state.operation, body, self._served_names, self._limits, self._estimator)
         except ApiError as error:
             return self._reject(state, error)
-        state.request = parsed
-        requested = parsed.model.model
-        model = self.config.lookup(requested)
+        return self.body_analyzed(state, analyzed)
+
+    def body_analyzed(self, state: RequestState, analyzed: tuple[BodyFacts, bytes | None] | ApiError
+                      ) -> Decision | Admit:
+        """The body's facts (or why it is refused): resolve the model; then route the request, or
+        first ask for admission (``Admit``) when the tenant has limits."""
+        if isinstance(analyzed, ApiError):
+            return self._reject(state, analyzed)
+        facts, state.new_body = analyzed
+        state.facts = facts
+        model = self.config.lookup(facts.model)
         if model is None:
+            state.new_body = None
             return self._reject(state, ApiError(
-                404, f"The model '{requested}' does not exist or you do not have access to it.",
+                404, f"The model '{facts.model}' does not exist or you do not have access to it.",
                 param="model", code="model_not_found"))
         state.model = model
         quota = state.tenant.quota(state.qos) if state.tenant is not None else None
         if quota is None:
             return self._route(state)
         assert state.tenant is not None and state.trace is not None
-        input_tokens, output_tokens = self._reserve(state, parsed)
+        input_tokens, output_tokens = self._reserve(state, facts)
         state.reserved_tokens = input_tokens + output_tokens
         state.reserved_cost = micro_dollars(model.prices.cost(input_tokens, output_tokens, 0))
         admission = Admission(tenant=state.tenant.name, lease_id=state.trace.span_id, qos=state.qos,
@@ -192,6 +219,7 @@ class Gateway:
     def admitted(self, state: RequestState, verdict: QuotaVerdict) -> Decision:
         """The quota store's verdict: route the request, or answer 429 naming the limit."""
         if not verdict.admitted:
+            state.new_body = None
             if verdict.refused_by is not None and verdict.refused_by.is_budget:
                 return self._reject(state, _over_budget(state, verdict), verdict.headers())
             return self._reject(state, _rate_limited(state, verdict), verdict.headers())
@@ -209,8 +237,8 @@ class Gateway:
         """Learn the output length from ``usage``, and claim the lease to settle, once: the observer
         (with the usage) or the stream's end (without), whichever comes first."""
         if usage is not None and state.tenant is not None and state.model is not None and not state.settled:
-            n = getattr(state.request.model, "n", None) if state.request is not None else None
-            self.predictor.observe((state.tenant.name, state.model.name), usage.output_tokens, n or 1)
+            n = state.facts.n if state.facts is not None else 1
+            self.predictor.observe((state.tenant.name, state.model.name), usage.output_tokens, n)
         if state.lease is None or state.settled:
             return None
         state.settled = True
@@ -229,33 +257,31 @@ class Gateway:
         """The request's usage: as the pod reported it, else counted from the streamed text (a pod
         that sends no usage chunk, or a client that hung up); the flag says it was estimated."""
         counter = self._counters.get(state.model.tokenizer) if state.model and state.model.tokenizer else None
-        return observation.final_usage((counter or self._estimator).count_text, lambda: self._input_estimate(state))
+        input_tokens = state.facts.input_tokens if state.facts is not None else 0
+        return observation.final_usage((counter or self._estimator).count_text, lambda: input_tokens)
 
-    def _input_estimate(self, state: RequestState) -> int:
-        if state.input_estimate is None:
-            state.input_estimate = self._estimator.estimate(state.request).total if state.request else 0
-        return state.input_estimate
-
-    def _reserve(self, state: RequestState, parsed: ParsedRequest) -> tuple[int, int]:
+    def _reserve(self, state: RequestState, facts: BodyFacts) -> tuple[int, int]:
         """Tokens to hold: the input estimate and the predicted output (capped by max_tokens)."""
-        request = parsed.model
-        input_tokens = self._input_estimate(state)
-        if isinstance(request, EmbeddingRequest):
-            return input_tokens, 0
-        n = getattr(request, "n", None) or 1
+        if facts.embedding:
+            return facts.input_tokens, 0
         key = (state.tenant.name if state.tenant else "", state.model.name if state.model else "")
-        return input_tokens, self.predictor.predict(key, request.output_limit, n)
+        return facts.input_tokens, self.predictor.predict(key, facts.output_limit, facts.n)
 
     def _route(self, state: RequestState) -> Decision:
-        """Pick the endpoint and set the routing headers (and the new body for an alias)."""
-        parsed, model = state.request, state.model
-        assert parsed is not None and model is not None
-        requested = parsed.model.model
-        state.endpoint = self._picker.pick(model.pool.endpoints)
+        """Pick the endpoint and a fallback for Envoy's one retry, and set the routing headers (and
+        the new body for an alias or an added usage chunk)."""
+        facts, model = state.facts, state.model
+        assert facts is not None and model is not None
+        usable = self.health.usable(model.pool.endpoints)
+        state.endpoint = self._picker.pick(usable)
+        # Envoy's override_host policy tries the listed hosts in order, one per attempt: a pod that
+        # refuses the connection or resets before answering is retried once on the fallback.
+        fallback = self._picker.fallback(usable, state.endpoint)
+        destination = state.endpoint if fallback is None else f"{state.endpoint},{fallback}"
 
         set_headers: list[tuple[str, str]] = [
             (ROUTE_HEADER, ROUTE_DIRECT),
-            (DESTINATION_HEADER, state.endpoint),
+            (DESTINATION_HEADER, destination),
             (MODEL_HEADER, model.name),
             (POOL_HEADER, model.pool.name),
         ]
@@ -265,15 +291,9 @@ class Gateway:
         set_headers.extend(state.rate_headers)  # copied onto the response by Envoy (envoy.yaml)
         if model.pool.credential:
             set_headers.append(("authorization", f"Bearer {model.pool.credential}"))
-        rewritten = False
-        if requested != model.name:  # an alias: pods know the model by its served name
-            parsed.raw["model"] = model.name
-            rewritten = True
-        if needs_usage_chunk(parsed):  # exact usage for the ledger; Envoy's Lua filter drops the chunk
-            parsed.raw["stream_options"] = {**(parsed.raw.get("stream_options") or {}), "include_usage": True}
+        if facts.strip_usage:  # exact usage for the ledger; Envoy's Lua filter drops the chunk
             set_headers.append((STRIP_USAGE_HEADER, "1"))
-            rewritten = True
-        new_body = orjson.dumps(parsed.raw) if rewritten else None
+        new_body, state.new_body = state.new_body, None
         if new_body is not None:
             set_headers.append(("content-length", str(len(new_body))))
         return Continue(set_headers=tuple(set_headers), body=new_body, clear_route_cache=True)
@@ -284,14 +304,20 @@ class Gateway:
 
     def request_trailers(self, state: RequestState) -> Decision:
         """Trailers: after the body they pass; with no body before them the request is empty."""
-        if state.request is None and state.rejected is None:
+        if state.facts is None and state.rejected is None:
             return self._reject(state, ApiError(400, "The request body is empty: send a JSON object.",
                                                 code="invalid_json"))
         return Continue()
 
     def finish(self, state: RequestState) -> None:
-        """The stream ended (response done, client gone or error): release what the request held."""
-        if state.trace is not None and self._active.pop(state.trace.span_id, None) is not None:
+        """The stream ended (response done, client gone or error): release what the request held.
+
+        A forwarded request is kept a while for the observer (a few hundred bytes: the body is
+        gone); a refused one is forgotten, so what a rejection holds is O(1) and brief.
+        """
+        state.new_body = None
+        if (state.trace is not None and self._active.pop(state.trace.span_id, None) is not None
+                and state.endpoint is not None):
             self._recent[state.trace.span_id] = state
             if len(self._recent) > RECENT_LIMIT:
                 self._recent.popitem(last=False)
@@ -415,7 +441,7 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
 
 def _is_internal(name: str) -> bool:
     # x-ratelimit-*: the gateway's figures ride on the request for Envoy to copy onto the response.
-    return (name.startswith((INTERNAL_PREFIX, RATELIMIT_PREFIX)) or name == DESTINATION_HEADER
+    return (name.startswith((INTERNAL_PREFIX, RATELIMIT_PREFIX, ENVOY_PREFIX)) or name == DESTINATION_HEADER
             or name in CREDENTIAL_HEADERS)
 
 
@@ -441,17 +467,3 @@ def _models_list(config: GatewayConfig) -> bytes:
 # removes the header before the pod, and the chunk (`"choices":[]` with a `usage` object) before
 # the client. x-llmgw-* from a client is stripped in request_headers, so it cannot be forged.
 STRIP_USAGE_HEADER = "x-llmgw-strip-usage"
-
-
-def needs_usage_chunk(parsed: ParsedRequest) -> bool:
-    """True for a streamed (chat) completion whose client did not ask for
-    ``stream_options.include_usage``: the pod reports usage only in that final chunk."""
-    request = parsed.model
-    if isinstance(request, EmbeddingRequest) or not request.stream:
-        return False
-    options = request.stream_options
-    if options is None:
-        return True
-    # vLLM's continuous_usage_stats puts usage in every chunk once include_usage is on: a client
-    # that set it without include_usage would start seeing usage, so it keeps the text count.
-    return not options.include_usage and not getattr(options, "continuous_usage_stats", None)

@@ -275,6 +275,7 @@ class LocalStack:
         rendered = envoyconf.render(
             opts.envoy_yaml or envoyconf.default_envoy_yaml(), listen_port=opts.port,
             listen_host=opts.listen_host, extproc_port=extproc_port, admin_port=admin_port,
+            pools=resolved["pools"],
         )
         if opts.envoy_patch is not None:
             opts.envoy_patch(rendered, pod_urls)

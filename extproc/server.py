@@ -26,21 +26,24 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.api import ApiError
 from extproc.config import LEDGER_PATH_ENV, QUOTA_PATH_ENV, ConfigError, GatewayConfig, load_config
-from extproc.decisions import PASS_THROUGH, Admit, Decision, Reply
+from extproc.decisions import PASS_THROUGH, Admit, Analyze, Decision, Reply
 from extproc.gateway import Gateway, RequestState
 from extproc.keys import RedisKeyTable
 from extproc.ledger import FileLedger, LedgerSink, RedisLedger, usage_record
 from extproc.observer import ResponseObservation, Usage
+from extproc.offload import BodyAnalyzer
 from extproc.phases import Phase, ProtocolError, Stage, advance, check
 from extproc.quota import FallbackStore, MemoryStore, OnStoreError, QuotaStore, StoreUnavailable
 from extproc.quota.redis_store import RedisStore
 from extproc.routing.picker import LeastInFlight
+from extproc.routing.probe import probe_forever
 from extproc.telemetry.metrics import MULTIPROC_ENV, GatewayMetrics, serve_metrics
 from extproc.wire import headers_to_dict, to_response
 
 log = logging.getLogger("llmgw.extproc")
 ENVOY_BUFFER_LIMIT = 32 * 1024 * 1024
 RELOAD_INTERVAL_S = 2.0
+ATTEMPT_COUNT_HEADER = "x-envoy-attempt-count"
 SETTLE_GRACE_S = 0.5  # how long a finished stream waits for the observer's usage before settling
 HOUSEKEEPING_S = 0.1
 access_log = logging.getLogger("llmgw.access")
@@ -53,11 +56,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     """The servicer: one ``Process`` stream per HTTP request and filter."""
 
     def __init__(self, gateway: Gateway, store: QuotaStore | None = None, ledger: LedgerSink | None = None,
-                 metrics: GatewayMetrics | None = None) -> None:
+                 metrics: GatewayMetrics | None = None, analyzer: BodyAnalyzer | None = None) -> None:
         self.gateway = gateway
         self.store = store or MemoryStore()
         self.ledger = ledger
         self.metrics = metrics
+        self.analyzer = analyzer or BodyAnalyzer()
         self._tasks: set[asyncio.Task[None]] = set()
         # Admitted requests whose lease is not settled yet, by span id, and (for those whose stream
         # has ended) when to settle them without usage. One housekeeping loop serves them all:
@@ -90,9 +94,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 if state is None:
                     state = self.gateway.new_request()
                 check(stage, phase)
-                decision, end_of_stream = self._decide(state, phase, message)
-                if isinstance(decision, Admit):
-                    decision = await self._admit(state, decision)
+                decision, end_of_stream = await self._decide(state, phase, message)
                 stage = advance(stage, phase, answered=isinstance(decision, Reply), end_of_stream=end_of_stream)
                 if isinstance(decision, Reply) and state.rejected is not None and self.metrics is not None:
                     self.metrics.record_rejection(state.rejected.status, state.rejected.code)
@@ -108,6 +110,36 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     self._settle_due[state.trace.span_id] = time.monotonic() + SETTLE_GRACE_S
             if observation is not None:
                 self._finished(observation)  # the stream ended first: the client went away
+
+    def _passive_health(self, endpoint: str, attempts: str | None) -> None:
+        """Envoy needed a second attempt (virtual host include_attempt_count_in_response): the pod
+        extproc picked failed this request, so it gets no traffic for a backoff."""
+        health = self.gateway.health
+        if attempts is None or attempts == "1":
+            health.attempt_succeeded(endpoint)
+        else:
+            backoff = health.attempt_failed(endpoint)
+            log.warning("pod %s failed an attempt (retried elsewhere): no traffic for %.0f s", endpoint, backoff)
+
+    async def _decide(self, state: RequestState, phase: Phase, message: pb.ProcessingRequest
+                      ) -> tuple[Decision, bool]:
+        """The gateway's answer to one message, after the body analysis and the quota round trip it
+        may ask for. A bug fails this request closed with a 500 (never the server), and gives back
+        whatever admission took."""
+        try:
+            decision, end_of_stream = self._phase(state, phase, message)
+            if isinstance(decision, Analyze):
+                decision = self.gateway.body_analyzed(state, await self.analyzer.analyze(decision))
+            if isinstance(decision, Admit):
+                decision = await self._admit(state, decision)
+            return decision, end_of_stream
+        except Exception:  # noqa: BLE001 (logged with its traceback; the request fails closed)
+            log.exception("failed to process %s (request_id=%s)", phase.value, state.request_id)
+            lease = self.gateway.settle(state)
+            if lease is not None:
+                self._spawn(self.store.release(lease))
+            state.rejected = _INTERNAL_ERROR
+            return Reply.error(_INTERNAL_ERROR, state.identity_headers()), True
 
     async def _admit(self, state: RequestState, ask: Admit) -> Decision:
         """One quota-store round trip; the gateway turns the verdict into the answer."""
@@ -179,8 +211,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def _observe(self, observation: ResponseObservation, phase: Phase, message: pb.ProcessingRequest) -> None:
         if phase is Phase.RESPONSE_HEADERS:
             headers = message.response_headers
-            observation.on_response_headers(headers_to_dict(headers.headers), headers.end_of_stream)
+            response_headers = headers_to_dict(headers.headers)
+            observation.on_response_headers(response_headers, headers.end_of_stream)
             state = self.gateway.active(observation.span_id)
+            if state is not None and state.endpoint is not None:
+                self._passive_health(state.endpoint, response_headers.get(ATTEMPT_COUNT_HEADER))
             if state is not None:
                 model = state.model
                 observation.attach(state.started, state.path, model.name if model else "",
@@ -189,23 +224,18 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         elif phase is Phase.RESPONSE_BODY:
             observation.on_response_body(message.response_body.body, message.response_body.end_of_stream)
 
-    def _decide(self, state: RequestState, phase: Phase, message: pb.ProcessingRequest
-                ) -> tuple[Decision | Admit, bool]:
-        try:
-            if phase is Phase.REQUEST_HEADERS:
-                headers = message.request_headers
-                eos = headers.end_of_stream
-                return self.gateway.request_headers(state, headers_to_dict(headers.headers), eos), eos
-            if phase is Phase.REQUEST_BODY:
-                body = message.request_body
-                return self.gateway.request_body(state, body.body), body.end_of_stream
-            if phase is Phase.REQUEST_TRAILERS:
-                return self.gateway.request_trailers(state), True
-            return PASS_THROUGH, True  # response phases, if an operator turns them on
-        except Exception:  # a bug must fail this request closed with a 500, never the server
-            log.exception("failed to process %s (request_id=%s)", phase.value, state.request_id)
-            state.rejected = _INTERNAL_ERROR
-            return Reply.error(_INTERNAL_ERROR, state.identity_headers()), True
+    def _phase(self, state: RequestState, phase: Phase, message: pb.ProcessingRequest
+               ) -> tuple[Decision | Admit | Analyze, bool]:
+        if phase is Phase.REQUEST_HEADERS:
+            headers = message.request_headers
+            eos = headers.end_of_stream
+            return self.gateway.request_headers(state, headers_to_dict(headers.headers), eos), eos
+        if phase is Phase.REQUEST_BODY:
+            body = message.request_body
+            return self.gateway.request_body(state, body.body), body.end_of_stream
+        if phase is Phase.REQUEST_TRAILERS:
+            return self.gateway.request_trailers(state), True
+        return PASS_THROUGH, True  # response phases, if an operator turns them on
 
 
 def _log_access(observation: ResponseObservation, usage: Usage | None, estimated: bool) -> None:
@@ -243,7 +273,8 @@ def build_ledger(config: GatewayConfig) -> LedgerSink | None:
 
 
 def build_server(config: GatewayConfig, gateway: Gateway | None = None, store: QuotaStore | None = None,
-                 ledger: LedgerSink | None = None, metrics: GatewayMetrics | None = None) -> grpc.aio.Server:
+                 ledger: LedgerSink | None = None, metrics: GatewayMetrics | None = None,
+                 analyzer: BodyAnalyzer | None = None) -> grpc.aio.Server:
     """A grpc.aio server carrying the servicer; messages as large as Envoy may buffer."""
     # At least what Envoy may buffer (per_connection_buffer_limit_bytes in envoy.yaml), so that an
     # oversize chunked body reaches the gateway and gets an OpenAI-style 413, not a gRPC error.
@@ -257,7 +288,7 @@ def build_server(config: GatewayConfig, gateway: Gateway | None = None, store: Q
         ]
     )
     servicer = ExternalProcessor(gateway or Gateway(config, LeastInFlight()), store or build_store(config), ledger,
-                                 metrics)
+                                 metrics, analyzer)
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     return server
 
@@ -300,10 +331,13 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     store, ledger, metrics = build_store(config), build_ledger(config), GatewayMetrics()
     if metrics_port is not None and not os.environ.get(MULTIPROC_ENV):
         serve_metrics(metrics_port, host, registry=metrics.registry)
-    server = build_server(config, gateway, store, ledger, metrics)
+    analyzer = BodyAnalyzer()
+    await analyzer.start()  # the helper process for large bodies, warm before the first one
+    server = build_server(config, gateway, store, ledger, metrics, analyzer)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     ready(bound)
+    prober = asyncio.create_task(probe_forever(lambda: gateway.config, gateway.health))
     watcher = asyncio.create_task(watch_config(config_path, gateway)) if config_path else None
     # Keys stored in Redis: each process polls the table's version (1 s) and swaps in a snapshot,
     # so lookups never wait on Redis and a revoked key stops working within about a second.
@@ -316,10 +350,11 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    for task in (watcher, key_watcher, exporter):
+    for task in (watcher, key_watcher, exporter, prober):
         if task is not None:
             task.cancel()
     await server.stop(grace=5)
+    analyzer.close()
     if key_table is not None:
         await key_table.aclose()
     if ledger is not None:

@@ -187,7 +187,9 @@ async def test_spending_budget_reserves_cost_and_refuses_with_402(priced: Gatewa
 
     state, admit = ask()
     # $1000 per 1M input and $2000 per 1M output tokens: a micro-dollar is 1/1000 of an input token.
-    expected = 1000 * state.input_estimate + 2000 * (state.reserved_tokens - state.input_estimate)
+    assert state.facts is not None
+    inputs = state.facts.input_tokens
+    expected = 1000 * inputs + 2000 * (state.reserved_tokens - inputs)
     assert admit.admission.reserve_cost == state.reserved_cost == expected
     spent = 0
     while isinstance(decision := priced.admitted(state, await store.admit(admit.admission, admit.quota)), Continue):

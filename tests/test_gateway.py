@@ -126,7 +126,8 @@ def test_canonical_name_routes_without_body_rewrite(gateway: Gateway) -> None:
     headers = dict(decision.set_headers)
     assert decision.body is None and decision.clear_route_cache
     assert headers["x-llmgw-route"] == "direct"
-    assert headers[DESTINATION_HEADER] in ("10.0.0.1:8000", "10.0.0.2:8000")
+    # The pick, then the other pod for Envoy's one retry (override_host tries them in order).
+    assert headers[DESTINATION_HEADER] in ("10.0.0.1:8000,10.0.0.2:8000", "10.0.0.2:8000,10.0.0.1:8000")
     assert headers["x-llmgw-pool"] == "general" and "authorization" not in headers
 
 

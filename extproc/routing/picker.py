@@ -18,6 +18,10 @@ class EndpointPicker(Protocol):
         """A request picked earlier has ended (completed, failed or cancelled)."""
         ...
 
+    def fallback(self, endpoints: tuple[str, ...], chosen: str) -> str | None:
+        """Another endpoint for Envoy's one retry if ``chosen`` fails (None with no other)."""
+        ...
+
 
 class LeastInFlight:
     """Pick the endpoint with the fewest requests this process has in flight to it.
@@ -37,6 +41,15 @@ class LeastInFlight:
         chosen = candidates[0] if len(candidates) == 1 else self._rng.choice(candidates)
         self._in_flight[chosen] += 1
         return chosen
+
+    def fallback(self, endpoints: tuple[str, ...], chosen: str) -> str | None:
+        """The least-loaded other endpoint (random among ties); not counted: it is used only on a retry."""
+        others = [e for e in endpoints if e != chosen]
+        if not others:
+            return None
+        fewest = min(self._in_flight[e] for e in others)
+        candidates = [e for e in others if self._in_flight[e] == fewest]
+        return candidates[0] if len(candidates) == 1 else self._rng.choice(candidates)
 
     def release(self, endpoint: str) -> None:
         """Count one request to ``endpoint`` as ended."""

@@ -153,8 +153,8 @@ def test_spoofed_internal_headers_are_ignored(stack: StackInfo, http: httpx.Clie
     assert "authorization" not in headers and "x-api-key" not in headers  # type: ignore[operator]  # keys stay here
     assert headers["x-llmgw-tenant"] == "team-a"  # type: ignore[index]  # the real tenant, not the forged one
     assert headers["x-llmgw-route"] == "direct"  # type: ignore[index]
-    assert headers["x-gateway-destination-endpoint"] in [  # type: ignore[index]
-        u.removeprefix("http://") for u in stack.pod_urls["local"]]
+    pods = {u.removeprefix("http://") for u in stack.pod_urls["local"]}
+    assert set(headers["x-gateway-destination-endpoint"].split(",")) == pods  # type: ignore[index]  # pick, fallback
 
 
 def _error(response: httpx.Response) -> dict[str, object]:
@@ -292,8 +292,8 @@ def test_observer_records_usage_and_route(stack: StackInfo, client: openai.OpenA
     assert record["gen_ai.usage.input_tokens"] == usage.prompt_tokens
     assert record["gen_ai.usage.output_tokens"] == usage.completion_tokens
     assert record["gen_ai.request.model"] == MODEL and record["llmgw.pool"] == "local"
-    assert record["server.address"] == pod_request_with_id(stack, request_id)["headers"][  # type: ignore[index]
-        "x-gateway-destination-endpoint"]
+    destination = pod_request_with_id(stack, request_id)["headers"]["x-gateway-destination-endpoint"]  # type: ignore[index]
+    assert record["server.address"] == destination.split(",")[0]  # the pick (a fallback follows it)
     assert record["llmgw.stream"] is stream and record["llmgw.complete"] is True
     assert record["http.response.status_code"] == 200
     deadline = time.monotonic() + 3

@@ -1,0 +1,163 @@
+"""What the gateway learns from a request body, with its cost bounded. Pure: no I/O.
+
+``analyze`` parses, bounds, validates and estimates one body and returns the few facts the
+request path needs afterwards (``BodyFacts``), plus the body to send on when it must change
+(an alias rewritten to the served name, ``stream_options.include_usage`` added). The parsed JSON
+is not kept: a request holds O(1) memory once its body is analyzed, whatever its size.
+
+Cost: structure is bounded before validation (``BodyLimits``: nesting depth, messages, tools,
+content parts, prompts, JSON values in all), so a hostile body is refused after one C-speed
+``orjson.loads`` and a walk over its containers. The server runs ``analyze`` on its event loop for
+small bodies and in a helper process above ``server.offload_body_bytes``; both get the same answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+
+from extproc.api import (ApiError, EmbeddingRequest, Operation, ParsedRequest, _api_error, invalid_json)
+from extproc.tokens import FallbackEstimator, TokenEstimator
+
+
+@dataclass(frozen=True, slots=True)
+class BodyLimits:
+    """Bounds on a body's structure; each refusal is a 400 naming the ``param`` that broke it."""
+
+    max_depth: int = 64  # nesting of objects and arrays (JSON schemas in tools nest ~10 deep)
+    max_messages: int = 2048  # chat messages
+    max_tools: int = 128  # OpenAI's own limit on tools
+    max_content_parts: int = 4096  # multimodal content parts, all messages together
+    max_prompts: int = 2048  # entries of a prompt / input list (OpenAI's embeddings batch limit)
+    max_values: int = 2_000_000  # JSON values in all (a 128k-token prompt of token ids is 128k)
+
+
+@dataclass(frozen=True, slots=True)
+class BodyFacts:
+    """What the request path needs of a valid body once it is analyzed."""
+
+    model: str  # as the client asked for it
+    served: str | None  # the name pods serve (None: no such model or alias)
+    stream: bool
+    n: int
+    output_limit: int | None  # max_tokens / max_completion_tokens
+    embedding: bool
+    input_tokens: int  # the estimator's count, for reservations and streams without usage
+    strip_usage: bool  # include_usage was added for the ledger; Envoy's Lua filter drops the chunk
+
+
+def analyze(operation: Operation, body: bytes, served_names: Mapping[str, str], limits: BodyLimits,
+            estimator: TokenEstimator | None = None) -> tuple[BodyFacts, bytes | None]:
+    """Parse, bound, validate and estimate ``body``: its facts, and the body to forward when it
+    changed (else None: forward it as is). Raises ``ApiError`` (400) for a bad one.
+
+    ``served_names`` maps every name a client may use (canonical names and aliases) to the name
+    pods serve; a model missing from it is reported as ``served=None`` (the caller answers 404).
+    """
+    try:
+        raw = orjson.loads(body)
+    except orjson.JSONDecodeError as error:
+        raise invalid_json(str(error)) from None
+    if not isinstance(raw, dict):
+        raise invalid_json("expected a JSON object")
+    if "model" not in raw:
+        raise ApiError(400, "you must provide a model parameter", param="model", code="missing_required_parameter")
+    check_structure(raw, limits)
+    try:
+        request = operation.request_type.model_validate(raw)
+    except ValidationError as error:
+        raise _api_error(error) from None
+    parsed = ParsedRequest(operation, request, raw)  # type: ignore[arg-type]
+    served = served_names.get(request.model)
+    strip_usage = needs_usage_chunk(parsed)
+    changed = False
+    if served is not None and served != request.model:  # an alias: pods know the served name
+        raw["model"] = served
+        changed = True
+    if served is not None and strip_usage:
+        raw["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
+        changed = True
+    facts = BodyFacts(
+        model=request.model, served=served, stream=bool(getattr(request, "stream", False)),
+        n=getattr(request, "n", None) or 1, output_limit=request.output_limit,
+        embedding=isinstance(request, EmbeddingRequest), input_tokens=(estimator or _FALLBACK).estimate(parsed).total,
+        strip_usage=strip_usage and served is not None,
+    )
+    # Depth is bounded (max_depth < orjson's 254 levels), so dumps cannot raise here.
+    return facts, (orjson.dumps(raw) if changed else None)
+
+
+_FALLBACK = FallbackEstimator()
+
+
+def needs_usage_chunk(parsed: ParsedRequest) -> bool:
+    """True for a streamed (chat) completion whose client did not ask for
+    ``stream_options.include_usage``: the pod reports usage only in that final chunk."""
+    request = parsed.model
+    if isinstance(request, EmbeddingRequest) or not request.stream:
+        return False
+    options = request.stream_options
+    if options is None:
+        return True
+    # vLLM's continuous_usage_stats puts usage in every chunk once include_usage is on: a client
+    # that set it without include_usage would start seeing usage, so it keeps the text count.
+    return not options.include_usage and not getattr(options, "continuous_usage_stats", None)
+
+
+def check_structure(raw: dict[str, Any], limits: BodyLimits) -> None:
+    """Refuse a body whose shape would make validation or forwarding expensive or unsafe.
+
+    Counts first (O(1) each), then one walk over the containers for depth and the total number of
+    values; the path of a container is a linked (parent, key) pair, formatted only on refusal.
+    """
+    messages = raw.get("messages")
+    if isinstance(messages, list):
+        _at_most(len(messages), limits.max_messages, "messages", "messages")
+        parts = sum(len(m["content"]) for m in messages if type(m) is dict and type(m.get("content")) is list)
+        _at_most(parts, limits.max_content_parts, "messages", "content parts in all messages")
+    tools = raw.get("tools")
+    if isinstance(tools, list):
+        _at_most(len(tools), limits.max_tools, "tools", "tools")
+    for field in ("prompt", "input"):
+        value = raw.get(field)
+        if isinstance(value, list):
+            _at_most(len(value), limits.max_prompts, field, f"entries in {field}")
+
+    values = 0
+    stack: list[tuple[Any, int, Any]] = [(raw, 1, None)]
+    while stack:
+        container, depth, path = stack.pop()
+        values += len(container)
+        if values > limits.max_values:
+            raise ApiError(400, f"The request body holds more than {limits.max_values} JSON values.",
+                           param=_format_path(path), code="invalid_value")
+        items = container.items() if type(container) is dict else enumerate(container)
+        for key, item in items:
+            kind = type(item)
+            if kind is dict or kind is list:
+                if depth >= limits.max_depth:
+                    param = _format_path((path, key))
+                    raise ApiError(400, f"'{param}' is nested more than {limits.max_depth} levels deep.",
+                                   param=param, code="invalid_value")
+                if item:
+                    stack.append((item, depth + 1, (path, key)))
+
+
+def _at_most(count: int, limit: int, param: str, what: str) -> None:
+    if count > limit:
+        raise ApiError(400, f"Too many {what}: {count}; the limit is {limit}.", param=param, code="invalid_value")
+
+
+def _format_path(path: Any) -> str | None:
+    keys: list[Any] = []
+    while path is not None:
+        path, key = path
+        keys.append(key)
+    out = ""
+    for key in reversed(keys):
+        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
+    return out or None

@@ -1,0 +1,86 @@
+"""Large request bodies are analyzed in a helper process, so one tenant's 5 MB body never stalls
+the event loop that serves everyone else's requests.
+
+Python threads would not help: ``orjson.loads`` and pydantic's validator hold the GIL. The helper
+is one spawned process per extproc worker (spawned, not forked: gRPC's threads do not survive a
+fork), started with the server and warmed up so the first large body pays no import. Bodies
+queue behind each other there; past ``max_pending`` waiting, a body is refused with a 503 rather
+than queued past Envoy's message timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from extproc.api import ApiError, Operation
+from extproc.body import BodyFacts, BodyLimits, analyze
+from extproc.decisions import Analyze
+
+log = logging.getLogger("llmgw.offload")
+MAX_PENDING = 16
+
+Analyzed = tuple[BodyFacts, bytes | None] | ApiError
+_ErrorFields = tuple[int, str, str, str | None, str | None]
+
+
+def _analyze_in_helper(operation: Operation, body: bytes, served_names: dict[str, str],
+                       limits: BodyLimits) -> tuple[BodyFacts, bytes | None] | _ErrorFields:
+    # An ApiError does not survive pickling (a dataclass exception has no args): send its fields.
+    try:
+        return analyze(operation, body, served_names, limits)
+    except ApiError as error:
+        return (error.status, error.message, error.type, error.param, error.code)
+
+
+def _warm() -> None:
+    """Imports done at start: the first large body should not pay for pydantic's."""
+
+
+class BodyAnalyzer:
+    """The helper process that analyzes large bodies; ``analyze`` answers like ``extproc.body.analyze``."""
+
+    def __init__(self, max_pending: int = MAX_PENDING) -> None:
+        self._max_pending = max_pending
+        self._pending = 0
+        self._pool: ProcessPoolExecutor | None = None
+
+    def _ensure_pool(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            context = multiprocessing.get_context("spawn")
+            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=context)
+        return self._pool
+
+    async def start(self) -> None:
+        """Start the helper process and wait until it has imported what it needs."""
+        await asyncio.get_running_loop().run_in_executor(self._ensure_pool(), _warm)
+
+    async def analyze(self, job: Analyze) -> Analyzed:
+        """The body's facts and new body, or the ApiError refusing it (a 503 when too many wait)."""
+        if self._pending >= self._max_pending:
+            return ApiError(503, "The gateway is busy with large requests; retry shortly.",
+                            type="server_error", code="service_unavailable")
+        self._pending += 1
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(
+                self._ensure_pool(), _analyze_in_helper, job.operation, job.body, dict(job.served_names), job.limits)
+        except BrokenProcessPool:
+            log.error("the body-analysis helper process died; starting a new one")
+            self._pool = None
+            return ApiError(503, "The gateway could not analyze this request; retry shortly.",
+                            type="server_error", code="service_unavailable")
+        finally:
+            self._pending -= 1
+        if len(result) == 2:
+            return result  # type: ignore[return-value]
+        status, message, kind, param, code = result  # type: ignore[misc]
+        return ApiError(status, message, type=kind, param=param, code=code)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Stop the helper process."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
