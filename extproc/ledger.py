@@ -29,13 +29,16 @@ from extproc.pricing import Prices
 
 log = logging.getLogger("llmgw.ledger")
 STREAM = "llmgw:usage"
+SERVED, REJECTED = "served", "rejected"
 BUFFER_LIMIT = 100_000
 FLUSH_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
 class UsageRecord:
-    """One finished request, as the ledger keeps it."""
+    """One finished request, as the ledger keeps it: ``kind`` ``served`` (it reached a pod) or
+    ``rejected`` (the gateway answered it: a tenant's 400, 402, 403, 404, 413, 429...; ``error``
+    is the OpenAI error code). Unauthenticated requests are not recorded: no tenant to bill."""
 
     ts_ms: int
     request_id: str
@@ -53,6 +56,8 @@ class UsageRecord:
     stream: bool
     complete: bool
     usage_estimated: bool = False  # counted by the gateway: the pod reported no usage
+    kind: str = SERVED  # or REJECTED
+    error: str | None = None  # a rejection's error code (rate_limit_exceeded, model_not_found...)
 
     def to_json(self) -> bytes:
         """The record as one JSON object."""
@@ -197,7 +202,8 @@ def read_stream(url: str, stream: str = STREAM, since_ms: int = 0) -> Iterator[U
 class Totals:
     """Sums over records."""
 
-    requests: int = 0
+    requests: int = 0  # served: they reached a pod
+    rejected: int = 0  # answered by the gateway with an error
     input_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
@@ -212,6 +218,9 @@ def totals(records: Iterable[UsageRecord], *, tenant: str | None = None, since_m
         if (tenant is not None and record.tenant != tenant) or record.ts_ms < since_ms:
             continue
         total = out.setdefault((record.tenant, record.model), Totals())
+        if record.kind == REJECTED:
+            total.rejected += 1
+            continue
         total.requests += 1
         total.input_tokens += record.input_tokens
         total.output_tokens += record.output_tokens
@@ -237,6 +246,16 @@ def usage_record(observation: ResponseObservation, tenant: str, prices: Prices, 
         latency_ms=round((end - observation.started) * 1000, 3),
         ttft_ms=round((first - observation.started) * 1000, 3) if first is not None else None,
         stream=observation.streamed, complete=observation.complete, usage_estimated=estimated,
+    )
+
+
+def rejection_record(request_id: str, tenant: str, model: str, status: int, error: str | None,
+                     stream: bool) -> UsageRecord:
+    """The ledger record of a request the gateway refused (it never reached a pod)."""
+    return UsageRecord(
+        ts_ms=now_ms(), request_id=request_id, tenant=tenant, model=model, pool="", endpoint="", status=status,
+        input_tokens=0, output_tokens=0, cached_tokens=0, cost_usd=0.0, latency_ms=0.0, ttft_ms=None,
+        stream=stream, complete=True, kind=REJECTED, error=error,
     )
 
 

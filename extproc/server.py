@@ -29,7 +29,7 @@ from extproc.config import LEDGER_PATH_ENV, QUOTA_PATH_ENV, ConfigError, Gateway
 from extproc.decisions import PASS_THROUGH, Admit, Analyze, Decision, Reply
 from extproc.gateway import Gateway, RequestState
 from extproc.keys import RedisKeyTable
-from extproc.ledger import FileLedger, LedgerSink, RedisLedger, usage_record
+from extproc.ledger import FileLedger, LedgerSink, RedisLedger, rejection_record, usage_record
 from extproc.observer import ResponseObservation, Usage
 from extproc.offload import BodyAnalyzer
 from extproc.phases import Phase, ProtocolError, Stage, advance, check
@@ -96,8 +96,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 check(stage, phase)
                 decision, end_of_stream = await self._decide(state, phase, message)
                 stage = advance(stage, phase, answered=isinstance(decision, Reply), end_of_stream=end_of_stream)
-                if isinstance(decision, Reply) and state.rejected is not None and self.metrics is not None:
-                    self.metrics.record_rejection(state.rejected.status, state.rejected.code)
+                if isinstance(decision, Reply) and state.rejected is not None:
+                    self._rejected(state, state.rejected)
                 yield to_response(phase, decision)
         except ProtocolError as error:
             log.error("ext_proc protocol error: %s (request_id=%s)", error, state.request_id if state else "-")
@@ -110,6 +110,17 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     self._settle_due[state.trace.span_id] = time.monotonic() + SETTLE_GRACE_S
             if observation is not None:
                 self._finished(observation)  # the stream ended first: the client went away
+
+    def _rejected(self, state: RequestState, error: ApiError) -> None:
+        """Count a refusal; a known tenant's goes to the ledger too, as a rejection."""
+        if self.metrics is not None:
+            self.metrics.record_rejection(error.status, error.code)
+        if self.ledger is not None and state.tenant is not None:
+            facts = state.facts
+            model = state.model.name if state.model is not None else (facts.model if facts is not None else "")
+            self._spawn(self.ledger.append(rejection_record(
+                state.request_id, state.tenant.name, model, error.status, error.code,
+                facts.stream if facts is not None else False)))
 
     def _passive_health(self, endpoint: str, attempts: str | None) -> None:
         """Envoy needed a second attempt (virtual host include_attempt_count_in_response): the pod
@@ -214,9 +225,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             response_headers = headers_to_dict(headers.headers)
             observation.on_response_headers(response_headers, headers.end_of_stream)
             state = self.gateway.active(observation.span_id)
+            # Only a request that was forwarded has a response to account for; the gateway's own
+            # replies were counted (and ledgered as rejections) when it made them.
             if state is not None and state.endpoint is not None:
                 self._passive_health(state.endpoint, response_headers.get(ATTEMPT_COUNT_HEADER))
-            if state is not None:
                 model = state.model
                 observation.attach(state.started, state.path, model.name if model else "",
                                    model.pool.name if model else "", state.endpoint or "",

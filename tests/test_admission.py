@@ -209,3 +209,63 @@ def test_charge_of_prices_the_real_usage(priced: Gateway) -> None:
     priced.request_body(state, CHAT)
     assert priced.charge_of(state, Usage(10, 20)) == (30, 10 * 1000 + 20 * 2000)
     assert priced.charge_of(state, None) == (None, None)  # no usage: the reservation stands
+
+
+async def _process(servicer: object, *messages: object) -> list[object]:
+    class _Context:
+        async def abort(self, code: object, details: str) -> None:
+            raise AssertionError(details)
+
+    async def stream():  # noqa: ANN202
+        for message in messages:
+            yield message
+
+    return [r async for r in servicer.Process(stream(), _Context())]  # type: ignore[attr-defined]
+
+
+async def test_a_bug_after_admission_gives_the_slot_back_and_answers_500(monkeypatch: pytest.MonkeyPatch) -> None:
+    from extproc.server import ExternalProcessor
+    from tests.helpers import request_body, request_headers
+
+    solo = {**CONFIG, "tenants": [{"name": "team-s", "keys": [{"sha256": hash_key("sk-s").hex()}],
+                                   "limits": {"concurrency": 1}}]}
+    gateway = Gateway(parse_config(solo, env={"POOL_KEY": "p"}), LeastInFlight(random.Random(0)))
+    store = MemoryStore()
+    servicer = ExternalProcessor(gateway, store)
+
+    def broken(state: RequestState) -> None:
+        raise RuntimeError("a bug in routing")
+
+    monkeypatch.setattr(gateway, "_route", broken)
+    replies = await _process(servicer, request_headers(post_headers(authorization="Bearer sk-s")), request_body(CHAT))
+    answer = replies[-1].immediate_response  # type: ignore[attr-defined]
+    assert answer.status.code == 500 and orjson.loads(answer.body)["error"]["code"] == "internal_error"
+    await asyncio.gather(*servicer._tasks)  # the release was sent
+    monkeypatch.undo()
+    # The only concurrency slot is free again: the next request is admitted at once.
+    state = gateway.new_request()
+    gateway.request_headers(state, post_headers(authorization="Bearer sk-s"), False)
+    admit = gateway.request_body(state, CHAT)
+    assert isinstance(admit, Admit)
+    assert (await store.admit(admit.admission, admit.quota)).admitted
+
+
+def test_refused_requests_are_not_kept_after_their_stream(gateway: Gateway) -> None:
+    state = gateway.new_request()
+    gateway.request_headers(state, post_headers(authorization=f"Bearer {KEY}"), False)
+    reply = gateway.request_body(state, b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}')
+    assert isinstance(reply, Reply) and reply.status == 404
+    gateway.finish(state)
+    assert state.trace is not None and gateway.active(state.trace.span_id) is None  # O(1) and gone
+
+
+def test_large_bodies_are_handed_to_the_shell_for_analysis() -> None:
+    from extproc.decisions import Analyze
+
+    document = {**DOCUMENT, "server": {**CONFIG["server"], "max_body_bytes": 1 << 20, "offload_body_bytes": 1024}}
+    gateway = Gateway(parse_config(document, env={"POOL_KEY": "p"}), LeastInFlight(random.Random(0)))
+    state = gateway.new_request()
+    gateway.request_headers(state, post_headers(authorization=f"Bearer {KEY}"), False)
+    big = orjson.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x " * 1000}]})
+    job = gateway.request_body(state, big)
+    assert isinstance(job, Analyze) and job.served_names["gpt-4o-mini"] == "llama-3-8b-instruct"

@@ -170,3 +170,21 @@ def test_least_in_flight_spreads_and_releases(gateway: Gateway) -> None:
     gateway.finish(first)
     third, _ = through_body(gateway, CHAT)
     assert third.endpoint == endpoint  # the freed endpoint is now the least loaded
+
+
+def test_client_envoy_headers_never_reach_a_pod(gateway: Gateway) -> None:
+    state = gateway.new_request()
+    decision = gateway.request_headers(state, post_headers(**{
+        "x-envoy-original-dst-host": "10.9.9.9:80", "x-envoy-retry-on": "5xx", "x-envoy-upstream-rq-timeout-ms": "1"}),
+        False)
+    assert isinstance(decision, Continue)
+    assert {"x-envoy-original-dst-host", "x-envoy-retry-on", "x-envoy-upstream-rq-timeout-ms"} <= set(
+        decision.remove_headers)
+
+
+@pytest.mark.parametrize("encoding", ["br", "deflate", "gzip, br", "x-unknown"])
+def test_a_content_encoding_envoy_did_not_decode_is_415(gateway: Gateway, encoding: str) -> None:
+    state = gateway.new_request()
+    reply = gateway.request_headers(state, post_headers(**{"content-encoding": encoding}), False)
+    assert isinstance(reply, Reply) and reply.status == 415
+    assert b"unsupported_media_type" in reply.body and b"content-encoding" in reply.body
