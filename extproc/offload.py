@@ -4,8 +4,9 @@ the event loop that serves everyone else's requests.
 Python threads would not help: ``orjson.loads`` and pydantic's validator hold the GIL. The helper
 is one spawned process per extproc worker (spawned, not forked: gRPC's threads do not survive a
 fork), started with the server and warmed up so the first large body pays no import. Bodies
-queue behind each other there; past ``max_pending`` waiting, a body is refused with a 503 rather
-than queued past Envoy's message timeout.
+queue behind each other there; once ``max_queued_bytes`` wait, another is refused with a 503 (an
+8 MB hostile body costs the helper ~0.1-0.5 s, so a longer queue would outlast Envoy's 2 s
+ext_proc message timeout and end in a 504 anyway).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from extproc.body import BodyFacts, BodyLimits, analyze
 from extproc.decisions import Analyze
 
 log = logging.getLogger("llmgw.offload")
-MAX_PENDING = 16
+MAX_QUEUED_BYTES = 12 << 20
 
 Analyzed = tuple[BodyFacts, bytes | None] | ApiError
 _ErrorFields = tuple[int, str, str, str | None, str | None]
@@ -43,9 +44,9 @@ def _warm() -> None:
 class BodyAnalyzer:
     """The helper process that analyzes large bodies; ``analyze`` answers like ``extproc.body.analyze``."""
 
-    def __init__(self, max_pending: int = MAX_PENDING) -> None:
-        self._max_pending = max_pending
-        self._pending = 0
+    def __init__(self, max_queued_bytes: int = MAX_QUEUED_BYTES) -> None:
+        self._max_queued = max_queued_bytes
+        self._queued = 0
         self._pool: ProcessPoolExecutor | None = None
 
     def _ensure_pool(self) -> ProcessPoolExecutor:
@@ -59,11 +60,12 @@ class BodyAnalyzer:
         await asyncio.get_running_loop().run_in_executor(self._ensure_pool(), _warm)
 
     async def analyze(self, job: Analyze) -> Analyzed:
-        """The body's facts and new body, or the ApiError refusing it (a 503 when too many wait)."""
-        if self._pending >= self._max_pending:
+        """The body's facts and new body, or the ApiError refusing it (a 503 when too much waits)."""
+        size = len(job.body)
+        if self._queued and self._queued + size > self._max_queued:
             return ApiError(503, "The gateway is busy with large requests; retry shortly.",
                             type="server_error", code="service_unavailable")
-        self._pending += 1
+        self._queued += size
         try:
             result = await asyncio.get_running_loop().run_in_executor(
                 self._ensure_pool(), _analyze_in_helper, job.operation, job.body, dict(job.served_names), job.limits)
@@ -73,7 +75,7 @@ class BodyAnalyzer:
             return ApiError(503, "The gateway could not analyze this request; retry shortly.",
                             type="server_error", code="service_unavailable")
         finally:
-            self._pending -= 1
+            self._queued -= size
         if len(result) == 2:
             return result  # type: ignore[return-value]
         status, message, kind, param, code = result  # type: ignore[misc]

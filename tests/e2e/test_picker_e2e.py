@@ -25,7 +25,7 @@ def _endpoint_of(stack: StackInfo, request_id: str) -> str:
         for record in httpx.get(f"{url}/debug/requests").json()["requests"]:
             headers = {k.lower(): v for k, v in record["headers"].items()}
             if headers.get("x-request-id") == request_id:
-                return headers["x-gateway-destination-endpoint"]
+                return headers["x-gateway-destination-endpoint"].split(",")[0]  # the pick, then the fallback
     raise AssertionError(f"no pod saw {request_id}")
 
 
