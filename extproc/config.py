@@ -202,6 +202,10 @@ class ServerSpec(_Strict):
     port: Annotated[int, Field(ge=0, le=65535)] = 50051
     workers: Annotated[int, Field(ge=0, le=256)] = 0  # 0 = one per core
     max_body_bytes: Annotated[int, Field(gt=0, le=1 << 30)] = DEFAULT_MAX_BODY_BYTES
+    # Client headers past these get a 431 from extproc: what it adds must still fit Envoy's limits
+    # (envoy.yaml: 64 headers, 32 KiB) and the pod's (vLLM: a 16 KiB header block).
+    max_header_count: Annotated[int, Field(ge=8, le=1000)] = 48
+    max_header_bytes: Annotated[int, Field(ge=1024)] = 12 * 1024
     # Bodies this large are analyzed in a helper process, so they never stall the event loop.
     offload_body_bytes: Annotated[int, Field(ge=0)] = 64 * 1024
     limits: BodyLimitsSpec = Field(default_factory=BodyLimitsSpec)

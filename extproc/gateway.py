@@ -46,6 +46,8 @@ MODELS_PATH = "/v1/models"
 RECENT_LIMIT = 4096  # finished forwarded requests kept for a late observer message (O(1) memory each)
 # A client must not steer Envoy: x-envoy-original-dst-host, x-envoy-retry-on, ... are removed.
 ENVOY_PREFIX = "x-envoy-"
+# Envoy answered `expect: 100-continue` itself; another expectation would get a pod's plain 417.
+HOP_HEADERS = frozenset({"expect"})
 
 
 @dataclass(slots=True)
@@ -129,6 +131,14 @@ class Gateway:
         state.trace = continue_or_start(headers.get("traceparent"), self._new_id)
         method = headers.get(":method", "")
         path = state.path = headers.get(":path", "").partition("?")[0]
+        server = self.config.server
+        if len(headers) > server.max_header_count or sum(map(len, headers)) + sum(map(len, headers.values())) \
+                > server.max_header_bytes:
+            # Room for the headers the gateway adds under Envoy's limits (a 503 otherwise), and a
+            # header block vLLM's server (h11: 16 KiB) still reads.
+            return self._reject(state, ApiError(
+                431, f"Request headers too large: at most {server.max_header_count} headers and "
+                f"{server.max_header_bytes} bytes.", code="request_header_fields_too_large"))
 
         if path == MODELS_PATH or path.startswith(MODELS_PATH + "/"):
             if method != "GET":
@@ -442,7 +452,7 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
 def _is_internal(name: str) -> bool:
     # x-ratelimit-*: the gateway's figures ride on the request for Envoy to copy onto the response.
     return (name.startswith((INTERNAL_PREFIX, RATELIMIT_PREFIX, ENVOY_PREFIX)) or name == DESTINATION_HEADER
-            or name in CREDENTIAL_HEADERS)
+            or name in CREDENTIAL_HEADERS or name in HOP_HEADERS)
 
 
 def _model_card(name: str, model: Model) -> dict[str, object]:

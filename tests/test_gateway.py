@@ -188,3 +188,17 @@ def test_a_content_encoding_envoy_did_not_decode_is_415(gateway: Gateway, encodi
     reply = gateway.request_headers(state, post_headers(**{"content-encoding": encoding}), False)
     assert isinstance(reply, Reply) and reply.status == 415
     assert b"unsupported_media_type" in reply.body and b"content-encoding" in reply.body
+
+
+@pytest.mark.parametrize("extra", [
+    {f"x-h{i}": "v" for i in range(60)},  # too many: the gateway's own headers would pass Envoy's count
+    {"x-big": "a" * 13000},  # too large for a pod's header block
+], ids=["count", "bytes"])
+def test_too_many_or_too_large_headers_are_431(gateway: Gateway, extra: dict[str, str]) -> None:
+    reply = gateway.request_headers(gateway.new_request(), post_headers(**extra), False)
+    assert isinstance(reply, Reply) and reply.status == 431 and b"request_header_fields_too_large" in reply.body
+
+
+def test_an_expectation_never_reaches_the_pod(gateway: Gateway) -> None:
+    decision = gateway.request_headers(gateway.new_request(), post_headers(expect="200-ok"), False)
+    assert isinstance(decision, Continue) and "expect" in decision.remove_headers

@@ -113,8 +113,9 @@ def parse_args(argv: Sequence[str] | None = None) -> SimOptions:
 async def serve(options: SimOptions) -> None:
     """Serve until SIGTERM or SIGINT, announcing ``READY http://HOST:PORT`` on stdout."""
     app = build_app(options)
+    # vLLM's server (uvicorn, h11) reads a 16 KiB header block with no limit per line: so does this.
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
-                           access_log=None)
+                           access_log=None, max_field_size=16 * 1024, max_line_size=16 * 1024)
     await runner.setup()
     site = web.TCPSite(runner, options.host, options.port)
     await site.start()
