@@ -171,7 +171,7 @@ class Gateway:
         encoding = headers.get("content-encoding", "").strip().lower()
         if encoding not in ("", "identity"):
             return self._reject(state, ApiError(
-                415, f"Unsupported content encoding {encoding!r}: send the body as is, or gzip-encoded.",
+                415, f"Unsupported content encoding {encoding!r}: send the body as is, or gzip-, br- or zstd-encoded.",
                 param="content-encoding", code="unsupported_media_type"))
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.config.max_body_bytes:

@@ -19,6 +19,9 @@ from extproc.phases import Phase
 
 # Envoy's ext_proc filter sends header values in raw_value (bytes); older releases used value.
 OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+# ImmediateResponse.details becomes the reply's response code details: envoy.yaml's
+# local_reply_config rewrites Envoy's own replies into OpenAI errors and leaves those marked so.
+REPLY_DETAILS = "llmgw"
 
 
 def headers_to_dict(header_map: HeaderMap) -> dict[str, str]:
@@ -65,6 +68,7 @@ def to_response(phase: Phase, decision: Decision) -> ProcessingResponse:
                     ]
                 ),
                 body=decision.body,
+                details=REPLY_DETAILS,
             )
         )
     common = _common(decision)

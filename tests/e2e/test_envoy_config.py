@@ -42,7 +42,8 @@ def test_usage_strip_filter_sits_between_the_decision_and_the_observer() -> None
     rendered = envoyconf.render(ROOT / "envoy" / "envoy.yaml", listen_port=1, extproc_port=2, admin_port=3)
     listener = rendered["static_resources"]["listeners"][0]
     filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+    # Request bodies are decoded (gzip, br, zstd) before extproc reads them.
     assert [f["typed_config"]["@type"].rpartition(".")[2] for f in filters] == [
-        "ExternalProcessor", "Lua", "ExternalProcessor", "Router"]
-    assert filters[2]["typed_config"]["observability_mode"] is True
-    assert "x-llmgw-strip-usage" in filters[1]["typed_config"]["default_source_code"]["inline_string"]
+        "Decompressor", "Decompressor", "Decompressor", "ExternalProcessor", "Lua", "ExternalProcessor", "Router"]
+    assert filters[5]["typed_config"]["observability_mode"] is True
+    assert "x-llmgw-strip-usage" in filters[4]["typed_config"]["default_source_code"]["inline_string"]
