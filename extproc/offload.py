@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -23,6 +24,7 @@ from extproc.decisions import Analyze
 
 log = logging.getLogger("llmgw.offload")
 MAX_QUEUED_BYTES = 12 << 20
+HELPER_NICENESS = 10
 
 Analyzed = tuple[BodyFacts, bytes | None] | ApiError
 _ErrorFields = tuple[int, str, str, str | None, str | None]
@@ -52,7 +54,9 @@ class BodyAnalyzer:
     def _ensure_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
             context = multiprocessing.get_context("spawn")
-            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=context)
+            # Niced: when CPU is short, the event loops serving everyone else's requests go first.
+            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=os.nice,
+                                             initargs=(HELPER_NICENESS,))
         return self._pool
 
     async def start(self) -> None:
