@@ -12,9 +12,11 @@ ext_proc message timeout and end in a 504 anyway).
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import multiprocessing
 import os
+import signal
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -25,6 +27,7 @@ from extproc.decisions import Analyze
 log = logging.getLogger("llmgw.offload")
 MAX_QUEUED_BYTES = 12 << 20
 HELPER_NICENESS = 10
+_PR_SET_PDEATHSIG = 1
 
 Analyzed = tuple[BodyFacts, bytes | None] | ApiError
 _ErrorFields = tuple[int, str, str, str | None, str | None]
@@ -37,6 +40,18 @@ def _analyze_in_helper(operation: Operation, body: bytes, served_names: dict[str
         return analyze(operation, body, served_names, limits)
     except ApiError as error:
         return (error.status, error.message, error.type, error.param, error.code)
+
+
+def _helper_init(parent: int) -> None:
+    """In the helper: die with the worker (even a SIGKILLed one: no orphan keeps its memory), and
+    yield the CPU to the event loops serving everyone else's requests when it is short."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
+    os.nice(HELPER_NICENESS)
 
 
 def _warm() -> None:
@@ -54,9 +69,8 @@ class BodyAnalyzer:
     def _ensure_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
             context = multiprocessing.get_context("spawn")
-            # Niced: when CPU is short, the event loops serving everyone else's requests go first.
-            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=os.nice,
-                                             initargs=(HELPER_NICENESS,))
+            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=context, initializer=_helper_init,
+                                             initargs=(os.getpid(),))
         return self._pool
 
     async def start(self) -> None:

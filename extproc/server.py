@@ -344,11 +344,12 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     if metrics_port is not None and not os.environ.get(MULTIPROC_ENV):
         serve_metrics(metrics_port, host, registry=metrics.registry)
     analyzer = BodyAnalyzer()
-    await analyzer.start()  # the helper process for large bodies, warm before the first one
     server = build_server(config, gateway, store, ledger, metrics, analyzer)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     ready(bound)
+    # The helper process for large bodies starts (~1 s of imports) while small ones are served.
+    warming = asyncio.create_task(analyzer.start())
     prober = asyncio.create_task(probe_forever(lambda: gateway.config, gateway.health))
     watcher = asyncio.create_task(watch_config(config_path, gateway)) if config_path else None
     # Keys stored in Redis: each process polls the table's version (1 s) and swaps in a snapshot,
@@ -362,7 +363,7 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    for task in (watcher, key_watcher, exporter, prober):
+    for task in (watcher, key_watcher, exporter, prober, warming):
         if task is not None:
             task.cancel()
     await server.stop(grace=5)
