@@ -1167,8 +1167,10 @@ def slow_pod(log_dir: Path) -> Iterator[tuple[str, Any]]:
 
 
 def dead_children(*groups: Any) -> list[str]:
-    """``name (exit code)`` of every child of ``groups`` that is no longer running."""
-    return [f"{c.name} (exit {c.proc.returncode})" for g in groups for c in g.children if c.proc.poll() is not None]
+    """Every child of ``groups`` that died during the run (the supervisor restarts them at once,
+    so its record of deaths counts, not only what is down now)."""
+    return [f"{e.name} (exit {e.returncode})" for g in groups for e in g.exits] + [
+        f"{c.name} (exit {c.proc.returncode})" for g in groups for c in g.children if c.proc.poll() is not None]
 
 
 @contextmanager

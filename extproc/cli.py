@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import logging
 import os
 import secrets
 import signal
@@ -34,8 +35,8 @@ from extproc.launcher import (
     ProcessGroup,
     StackInfo,
     StackOptions,
-    free_port,
     node_state_env,
+    reserve_port,
     start_extproc_workers,
 )
 from extproc.telemetry.metrics import MULTIPROC_ENV, prepare_multiprocess_dir, serve_metrics
@@ -51,30 +52,38 @@ class _Stop(Exception):
 
 def _raise_stop(signum: int, frame: FrameType | None) -> None:
     # Further signals (Ctrl-C twice, a process group's SIGTERM) must not cut the cleanup short.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _ignore_stop_signals()
     raise _Stop
 
 
-def _supervise(group: ProcessGroup) -> int:
-    """Wait for a signal (exit 0) or a dead child (say which, exit 1); stop every child either way."""
+def _stop_on_signals() -> None:
+    """SIGTERM and SIGINT stop the node from now on (before anything starts: a signal that comes
+    while it starts, or just after READY, still stops every child and exits 0)."""
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
+
+
+def _ignore_stop_signals() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _log_to_stderr(level: str) -> None:
+    """The launcher's lines (a child died, and when it starts again) on stderr."""
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+
+def _serve_until_stopped(group: ProcessGroup) -> int:
+    """Wait for SIGTERM/SIGINT while the group's supervisor starts dead children again (exit 0);
+    exit 1 only if supervision itself stopped (a bug: better no node than an unwatched one)."""
     try:
-        while True:
-            dead = group.first_exited()
-            if dead is not None:
-                console.print(f"[red]{dead.name} (pid {dead.pid}) exited with code {dead.proc.returncode}; "
-                              f"stopping the stack. Its log: {dead.log_path}[/red]")
-                return 1
+        while group.supervising:
             time.sleep(0.2)
     except _Stop:
         console.print("stopping...")
         return 0
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        group.stop()
+    console.print("[red]the supervisor thread stopped; stopping the node[/red]")
+    return 1
 
 
 def _print_welcome(info: StackInfo, model: str, started_in: float, api_key: str) -> None:
@@ -116,17 +125,25 @@ def cmd_up(args: argparse.Namespace) -> int:
         log_level=args.log_level, env={DEV_KEY_ENV: dev_key}, metrics_port=args.metrics_port,
     )
     stack = LocalStack(options)
+    _log_to_stderr(args.log_level)
+    _stop_on_signals()
     try:
         info = stack.start()
-    except (ConfigError, ChildFailed, FileNotFoundError) as error:
+        config = compile_spec(load_spec(info.config_path), env={**os.environ, DEV_KEY_ENV: dev_key})
+        model = config.models[0].aliases[0] if config.models[0].aliases else config.models[0].name
+        api_key = dev_key if config.tenant_for(hash_key(dev_key)) else "local"
+        _print_welcome(info, model, time.monotonic() - started, api_key)
+        print(f"Logs: {stack.group.log_dir}/", flush=True)
+        return _serve_until_stopped(stack.group)
+    except _Stop:
+        console.print("stopped while starting")
+        return 0
+    except (ConfigError, ChildFailed, OSError) as error:
         console.print(f"[red]llmgw up failed: {error}[/red]")
         return 1
-    config = compile_spec(load_spec(info.config_path), env={**os.environ, DEV_KEY_ENV: dev_key})
-    model = config.models[0].aliases[0] if config.models[0].aliases else config.models[0].name
-    api_key = dev_key if config.tenant_for(hash_key(dev_key)) else "local"
-    _print_welcome(info, model, time.monotonic() - started, api_key)
-    print(f"Logs: {stack.group.log_dir}/", flush=True)
-    return _supervise(stack.group)
+    finally:
+        _ignore_stop_signals()
+        stack.stop()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -139,29 +156,40 @@ def cmd_serve(args: argparse.Namespace) -> int:
     workers = args.workers or config.server.workers or os.cpu_count() or 1
     port = config.server.port if args.port is None else args.port
     host = args.host or config.server.host
-    if port == 0:
-        port = free_port(host)
+    try:  # held until the end: restarted workers bind it again, nobody else can meanwhile
+        reserved = reserve_port(host, port)  # port 0: a free one
+    except OSError as error:
+        console.print(f"[red]cannot bind {host}:{port}: {error.strerror}[/red]")
+        return 1
+    port = int(reserved.getsockname()[1])
     group = ProcessGroup(Path(args.run_dir) / "logs")
     shared = node_state_env(Path(args.run_dir).resolve())
     shared.update({name: os.environ[name] for name in (QUOTA_PATH_ENV, LEDGER_PATH_ENV) if os.environ.get(name)})
     if args.metrics_port is not None:
         shared[MULTIPROC_ENV] = str(prepare_multiprocess_dir(Path(args.run_dir).resolve() / "metrics"))
+    metrics = None
+    _log_to_stderr(args.log_level)
+    _stop_on_signals()
     try:
-        start_extproc_workers(group, args.config, host, port, workers, args.log_level, shared, 20)
+        start_extproc_workers(group, args.config, host, port, workers, args.log_level, shared, 60)
+        group.supervise()
+        if args.metrics_port is not None:
+            metrics = serve_metrics(args.metrics_port, args.metrics_host, multiproc_dir=Path(shared[MULTIPROC_ENV]))
+        where = f", metrics :{metrics.port}/metrics" if metrics else ""
+        print(f"READY {host}:{port} ({workers} workers{where})", flush=True)
+        return _serve_until_stopped(group)
+    except _Stop:
+        console.print("stopped while starting")
+        return 0
     except ChildFailed as error:
         console.print(f"[red]{error}[/red]")
-        group.stop()
         return 1
-    metrics = None
-    if args.metrics_port is not None:
-        metrics = serve_metrics(args.metrics_port, args.metrics_host, multiproc_dir=Path(shared[MULTIPROC_ENV]))
-    where = f", metrics :{metrics.port}/metrics" if metrics else ""
-    print(f"READY {host}:{port} ({workers} workers{where})", flush=True)
-    try:
-        return _supervise(group)
     finally:
+        _ignore_stop_signals()
+        group.stop()
         if metrics is not None:
             metrics.stop()
+        reserved.close()
 
 
 def new_api_key() -> str:
@@ -207,7 +235,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
             return 1
         records = ledger.read_file(path)
     rows = [
-        {"tenant": tenant, "model": model, "requests": t.requests, "input_tokens": t.input_tokens,
+        {"tenant": tenant, "model": model, "requests": t.requests, "rejected": t.rejected, "input_tokens": t.input_tokens,
          "output_tokens": t.output_tokens, "cached_tokens": t.cached_tokens, "cost_usd": round(t.cost_usd, 6)}
         for (tenant, model), t in sorted(ledger.totals(records, tenant=args.tenant, since_ms=since).items())
     ]
@@ -219,7 +247,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
         writer.writerows(rows)
     else:
         table = Table(title="usage")
-        for column in ("tenant", "model", "requests", "input_tokens", "output_tokens", "cached_tokens", "cost_usd"):
+        for column in rows[0] if rows else ("tenant", "model"):
             table.add_column(column, justify="left" if column in ("tenant", "model") else "right")
         for row in rows:
             table.add_row(*(str(value) for value in row.values()))
@@ -254,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="run the local stack: Envoy, extproc workers, simulated pods")
     up.add_argument("--config", default=DEFAULT_CONFIG, help=f"gateway config (default {DEFAULT_CONFIG})")
-    up.add_argument("--port", type=int, default=10000, help="Envoy listener port (default 10000)")
+    up.add_argument("--port", type=int, default=10000,
+                    help="Envoy listener port (default 10000; 0: a free one, printed)")
     up.add_argument("--host", default="127.0.0.1", help="Envoy listener address (default 127.0.0.1)")
     up.add_argument("--workers", type=int, default=0, help="extproc processes (default: one per core)")
     up.add_argument("--envoy-config", default=None, help="Envoy config to patch (default envoy/envoy.yaml)")
@@ -266,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run extproc workers only (one per core by default)")
     serve.add_argument("--config", required=True)
-    serve.add_argument("--port", type=int, default=None)
+    serve.add_argument("--port", type=int, default=None, help="default: server.port of the config; 0: a free one")
     serve.add_argument("--host", default=None)
     serve.add_argument("--workers", type=int, default=0)
     serve.add_argument("--run-dir", default=".run")

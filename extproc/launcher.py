@@ -1,13 +1,19 @@
-"""Starting, watching and stopping the local stack's processes: pods, extproc workers, Envoy.
+"""Starting, supervising and stopping the local stack's processes: pods, extproc workers, Envoy.
 
 Used by ``llmgw up``, ``llmgw serve``, the end-to-end tests and the benchmarks, so all of them run
 the same real processes the same way. Every child gets PR_SET_PDEATHSIG: if the launcher dies,
-even by SIGKILL, its children are told to stop, so no orphan outlives it.
+even by SIGKILL, its children are told to stop, so no orphan outlives it. Once the stack is up, a
+child that dies is started again with the same command line (a pod on the same address), after a
+wait that doubles while it keeps dying young (`Backoff`), and never given up on; only
+`ProcessGroup.stop` ends the children for good.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
+import json
+import logging
 import os
 import select
 import signal
@@ -24,23 +30,30 @@ from pathlib import Path
 from typing import IO, Any
 
 import yaml
+from prometheus_client import multiprocess
 
 from extproc import envoyconf
 from extproc.config import LEDGER_PATH_ENV, QUOTA_PATH_ENV, GatewaySpec, load_spec
 from extproc.telemetry.metrics import MULTIPROC_ENV, MetricsServer, prepare_multiprocess_dir, serve_metrics
 
 _PR_SET_PDEATHSIG = 1
+_PORT_ATTEMPTS = 3  # a pod's port taken between picking it and binding it: pick another, this often
+SUPERVISE_INTERVAL_S = 0.1
+
+log = logging.getLogger("llmgw.launcher")
 
 
 class ChildFailed(RuntimeError):
-    """A child did not become ready, or exited while the stack was running."""
+    """A child did not become ready, or exited before it was."""
 
 
 def _die_with_parent() -> Callable[[], None] | None:
     """A preexec_fn asking the kernel to SIGTERM the child when this process dies (Linux).
 
     ``prctl`` is looked up here, in the parent: between fork and exec the child may only make
-    plain calls. If the parent died before ``prctl`` ran, the child exits at once.
+    plain calls. If the parent died before ``prctl`` ran, the child exits at once. The signal
+    follows the spawning *thread* (prctl(2)): a child started by the supervisor thread is told to
+    stop when that thread ends, which is only in `ProcessGroup.stop` or with the process.
     """
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -57,55 +70,159 @@ def _die_with_parent() -> Callable[[], None] | None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on right now (the OS picks it; tests never hard-code ports)."""
+    """A port nobody listens on right now (the OS picks it; tests never hard-code ports).
+
+    Someone else may take it before it is bound: prefer `reserve_port`, or port 0 and reading back
+    what was bound, where the process that binds allows it.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 
-@dataclass
+def reserve_port(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A socket holding ``host:port`` (0: a free port) for processes that bind it with SO_REUSEPORT.
+
+    Bound but never listening, it takes no connections, while nobody else can bind the port (a
+    plain bind fails, and the kernel never hands it out for port 0), so extproc workers can bind
+    it, die and bind it again. Close it when the workers are stopped.
+    """
+    family, kind, proto, _name, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """How long a dead child waits before it is started again.
+
+    ``first_s`` after a death, doubling with each consecutive quick death (one that came less than
+    ``stable_s`` after the start) up to ``cap_s``. A child that ran ``stable_s`` counts from
+    ``first_s`` again. There is no last attempt: a child that cannot start costs one try per
+    ``cap_s`` and a log line each, and comes back by itself once the cause is fixed.
+    """
+
+    first_s: float = 0.2
+    cap_s: float = 10.0
+    stable_s: float = 10.0
+
+    def quick_deaths(self, before: int, ran_s: float) -> int:
+        """Consecutive quick deaths, counting one after ``ran_s`` seconds of running."""
+        return before + 1 if ran_s < self.stable_s else 1
+
+    def delay(self, quick_deaths: int) -> float:
+        """The wait after the ``quick_deaths``-th consecutive quick death (1 for the first)."""
+        return min(self.cap_s, self.first_s * 2.0 ** min(max(quick_deaths - 1, 0), 32))
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+@dataclass(frozen=True, slots=True)
+class ChildExit:
+    """A death the supervisor saw, and what it did about it."""
+
+    name: str
+    pid: int
+    returncode: int
+    ran_s: float
+    quick_deaths: int
+    restart_in_s: float
+
+    def describe(self) -> str:
+        """One log line: which child, how it ended, when it starts again."""
+        how = (f"was killed by {_signal_name(-self.returncode)}" if self.returncode < 0
+               else f"exited with code {self.returncode}")
+        streak = f", {self.quick_deaths} quick deaths in a row" if self.quick_deaths > 1 else ""
+        return (f"{self.name} (pid {self.pid}) {how} after {self.ran_s:.1f} s; "
+                f"starting it again in {self.restart_in_s:.1f} s{streak}")
+
+
+@dataclass(eq=False)
 class Child:
-    """One started process, its log file and the line it printed when ready."""
+    """One supervised process: its command line, the process running it now, its log file."""
 
     name: str
     proc: subprocess.Popen[bytes]
     log_path: Path
     ready_line: str = ""
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # on top of os.environ
+    started_at: float = field(default_factory=time.monotonic)
+    log_offset: int = 0  # where the current process's output starts in the log file
+    quick_deaths: int = 0
+    restarts: int = 0
+    restart_at: float | None = None  # dead, and to be started again at this time.monotonic()
 
     @property
     def pid(self) -> int:
-        """The child's process id."""
+        """The process id of the current process."""
         return self.proc.pid
+
+    def output(self) -> str:
+        """What the current process wrote to its log file (stderr; stdout after its READY line)."""
+        with open(self.log_path, "rb") as log_file:
+            log_file.seek(self.log_offset)
+            return log_file.read().decode(errors="replace")
 
 
 def _copy_lines(source: IO[bytes], sink: IO[bytes]) -> None:
-    for line in iter(source.readline, b""):
-        sink.write(line)
-        sink.flush()
+    with source, sink:
+        for line in iter(source.readline, b""):
+            sink.write(line)
+            sink.flush()
 
 
 @dataclass
 class ProcessGroup:
-    """Children started in order and stopped in reverse order."""
+    """Children started in order, restarted when they die once supervised, stopped in reverse order."""
 
     log_dir: Path
     children: list[Child] = field(default_factory=list)
+    backoff: Backoff = field(default_factory=Backoff)
+    exits: list[ChildExit] = field(default_factory=list)  # every death seen, oldest first
+    _stopping: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
+    _supervisor: threading.Thread | None = field(default=None, init=False, repr=False)
 
     def spawn(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None,
               ready_line: bool = True) -> Child:
         """Start ``argv``; stderr goes to ``<log_dir>/<name>.log``, and so does stdout, after the
         READY line when ``ready_line`` (read it with `wait_ready_line`), from the start otherwise."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name.replace(' ', '-')}.log"
-        log_file = open(log_path, "ab")  # noqa: SIM115 (the child holds its own copy)
-        proc = subprocess.Popen(
-            list(argv), stdout=subprocess.PIPE if ready_line else log_file, stderr=log_file,
-            stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent(),
-        )
-        log_file.close()
-        child = Child(name, proc, log_path)
+        proc, offset = self._popen(log_path, argv, env or {}, ready_line)
+        child = Child(name, proc, log_path, argv=list(argv), env=dict(env or {}), log_offset=offset)
         self.children.append(child)
         return child
+
+    def respawn(self, child: Child, argv: Sequence[str]) -> None:
+        """Start ``child`` again with another command line, before it was ready (its port was taken)."""
+        if child.proc.stdout is not None:
+            child.proc.stdout.close()
+        child.argv = list(argv)
+        child.proc, child.log_offset = self._popen(child.log_path, argv, child.env, ready_line=True)
+        child.started_at = time.monotonic()
+
+    def _popen(self, log_path: Path, argv: Sequence[str], env: dict[str, str],
+               ready_line: bool) -> tuple[subprocess.Popen[bytes], int]:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log_file:  # the child keeps its own copy
+            offset = log_file.tell()  # before the child writes (append mode starts at the end)
+            proc = subprocess.Popen(
+                list(argv), stdout=subprocess.PIPE if ready_line else log_file, stderr=log_file,
+                stdin=subprocess.DEVNULL, env={**os.environ, **env}, preexec_fn=_die_with_parent(),
+            )
+        return proc, offset
 
     def wait_ready_line(self, child: Child, timeout: float, prefix: str = "READY ") -> str:
         """Block until ``child`` prints a line starting with ``prefix``; then log the rest of its stdout."""
@@ -137,17 +254,88 @@ class ProcessGroup:
                                   f"(see {child.log_path})")
 
     def _log_rest(self, child: Child, pending: bytes) -> None:
-        sink = open(child.log_path, "ab")  # noqa: SIM115 (closed with the daemon thread's process)
+        sink = open(child.log_path, "ab")  # noqa: SIM115 (the copying thread closes it)
         sink.write(pending)
         assert child.proc.stdout is not None
-        threading.Thread(target=_copy_lines, args=(child.proc.stdout, sink), daemon=True).start()
+        threading.Thread(target=_copy_lines, args=(child.proc.stdout, sink), daemon=True,
+                         name=f"log {child.name}").start()
 
     def first_exited(self) -> Child | None:
-        """A child that has exited, if any."""
+        """A child that is not running now (dead, or waiting to be started again), if any."""
         return next((c for c in self.children if c.proc.poll() is not None), None)
 
+    # -- supervision
+
+    def poll(self) -> list[ChildExit]:
+        """One supervision step: note the children that died since the last step (logged, one line
+        each, and returned), and start again those whose wait is over."""
+        if self._stopping.is_set():  # children dying of the same Ctrl-C are no news
+            return []
+        now = time.monotonic()
+        deaths = []
+        for child in list(self.children):
+            if child.restart_at is None:
+                code = child.proc.poll()
+                if code is not None:
+                    deaths.append(self._note_death(child, code, now))
+            elif now >= child.restart_at:
+                self._restart(child)
+        return deaths
+
+    def _note_death(self, child: Child, code: int, now: float) -> ChildExit:
+        ran = now - child.started_at
+        child.quick_deaths = self.backoff.quick_deaths(child.quick_deaths, ran)
+        delay = self.backoff.delay(child.quick_deaths)
+        child.restart_at = now + delay
+        death = ChildExit(child.name, child.pid, code, ran, child.quick_deaths, delay)
+        self.exits.append(death)
+        log.warning("%s", death.describe())
+        if child.env.get(MULTIPROC_ENV):  # its live gauges no longer count in the node's sum
+            try:
+                multiprocess.mark_process_dead(child.pid, child.env[MULTIPROC_ENV])
+            except OSError as error:
+                log.error("metrics files of %s (pid %d) not removed: %s", child.name, child.pid, error)
+        return death
+
+    def _restart(self, child: Child) -> None:
+        try:  # its READY line, if any, goes to the log with the rest
+            child.proc, child.log_offset = self._popen(child.log_path, child.argv, child.env, ready_line=False)
+        except OSError as error:  # out of processes or files, say: try again later
+            child.quick_deaths += 1
+            child.restart_at = time.monotonic() + self.backoff.delay(child.quick_deaths)
+            log.error("%s could not be started again (%s); next try in %.1f s", child.name, error,
+                      child.restart_at - time.monotonic())
+            return
+        child.started_at = time.monotonic()
+        child.restart_at = None
+        child.restarts += 1
+        log.info("%s started again (pid %d, restart %d)", child.name, child.pid, child.restarts)
+
+    def supervise(self, interval: float = SUPERVISE_INTERVAL_S) -> None:
+        """Run `poll` every ``interval`` seconds in a background thread until `stop`."""
+        if self._supervisor is not None:
+            return
+        self._stopping.clear()
+
+        def loop() -> None:
+            while not self._stopping.wait(interval):
+                self.poll()
+
+        self._supervisor = threading.Thread(target=loop, name="llmgw supervisor", daemon=True)
+        self._supervisor.start()
+
+    @property
+    def supervising(self) -> bool:
+        """Whether the supervisor thread runs (False before `supervise`, after `stop`, or if it crashed)."""
+        return self._supervisor is not None and self._supervisor.is_alive()
+
     def stop(self, grace: float = 5.0) -> None:
-        """SIGTERM every child (newest first), then SIGKILL whatever is left after ``grace``."""
+        """End supervision, then SIGTERM every child (newest first) and SIGKILL whatever is left
+        after ``grace``."""
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=5)
+            self._supervisor = None
         for child in reversed(self.children):
             if child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
@@ -158,8 +346,8 @@ class ProcessGroup:
             except subprocess.TimeoutExpired:
                 child.proc.kill()
                 child.proc.wait()
-            if child.proc.stdout is not None:
-                child.proc.stdout.close()
+            if child.proc.stdout is not None and not child.ready_line:
+                child.proc.stdout.close()  # never read to its READY line (else the copying thread owns it)
         self.children.clear()
 
 
@@ -168,17 +356,22 @@ def node_state_env(run_dir: Path) -> dict[str, str]:
     return {QUOTA_PATH_ENV: str(run_dir / "quota.sqlite"), LEDGER_PATH_ENV: str(run_dir / "usage.jsonl")}
 
 
-def start_extproc_workers(group: ProcessGroup, config_path: str | Path, host: str, port: int, count: int,
-                          log_level: str, env: dict[str, str], ready_timeout: float) -> None:
-    """Start ``count`` extproc worker processes sharing ``host:port`` and wait until each is ready."""
-    started = [
+def spawn_extproc_workers(group: ProcessGroup, config_path: str | Path, host: str, port: int, count: int,
+                          log_level: str, env: dict[str, str]) -> list[Child]:
+    """Start ``count`` extproc worker processes that share ``host:port`` (SO_REUSEPORT)."""
+    return [
         group.spawn(f"extproc-{i + 1}", [
             sys.executable, "-m", "extproc.server", "--config", str(config_path),
             "--host", host, "--port", str(port), "--log-level", log_level,
         ], env=env)
         for i in range(count)
     ]
-    for child in started:
+
+
+def start_extproc_workers(group: ProcessGroup, config_path: str | Path, host: str, port: int, count: int,
+                          log_level: str, env: dict[str, str], ready_timeout: float) -> None:
+    """Start ``count`` extproc worker processes sharing ``host:port`` and wait until each is ready."""
+    for child in spawn_extproc_workers(group, config_path, host, port, count, log_level, env):
         group.wait_ready_line(child, ready_timeout)
 
 
@@ -198,6 +391,10 @@ def wait_http_ok(url: str, timeout: float, child: Child | None = None) -> None:
     raise ChildFailed(f"{url} did not answer 200 within {timeout:.0f} s")
 
 
+def _said_address_in_use(child: Child) -> bool:
+    return os.strerror(errno.EADDRINUSE).lower() in child.output().lower()
+
+
 # ---------------------------------------------------------------------------------------------
 # The local stack
 
@@ -208,18 +405,20 @@ class StackOptions:
 
     config_path: Path
     run_dir: Path
-    port: int = 10000
+    port: int = 10000  # Envoy's listener; 0: a free port, read back (StackInfo.base_url)
     listen_host: str = "127.0.0.1"
     workers: int = 0  # 0: from config, then one per core
     envoy_yaml: Path | None = None
     envoy_concurrency: int | None = None
     sim_args: tuple[str, ...] = ()
     log_level: str = "INFO"
-    ready_timeout: float = 20.0
+    ready_timeout: float = 60.0  # per stage; only a hung child waits it out (a dead one fails at once)
     env: dict[str, str] = field(default_factory=dict)  # extra environment of the extproc workers (keys)
     metrics_port: int | None = None  # serve the workers' summed Prometheus /metrics here (0: a free port)
     # Last edit of the rendered Envoy config, given the pods' URLs (benchmarks add a direct listener).
     envoy_patch: Callable[[dict[str, Any], dict[str, list[str]]], None] | None = None
+    restart: bool = True  # start dead children again (False: a dead child stays dead, as a test may want)
+    backoff: Backoff = field(default_factory=Backoff)
 
 
 @dataclass
@@ -236,16 +435,19 @@ class StackInfo:
 
 
 class LocalStack:
-    """Simulated pods, N extproc workers sharing one port, and a real Envoy in front."""
+    """Simulated pods, N extproc workers sharing one port, and a real Envoy in front, each started
+    again when it dies (pods and Envoy on the same addresses) until `stop`."""
 
     def __init__(self, options: StackOptions) -> None:
         self.options = options
-        self.group = ProcessGroup(options.run_dir / "logs")
+        self.group = ProcessGroup(options.run_dir / "logs", backoff=options.backoff)
         self.info: StackInfo | None = None
         self.metrics: MetricsServer | None = None
+        self._extproc_port: socket.socket | None = None
 
     def start(self) -> StackInfo:
-        """Start everything and wait until Envoy is ready; on any failure stop what started."""
+        """Start everything, wait until all of it is ready, then supervise it; on any failure stop
+        what started."""
         try:
             return self._start()
         except BaseException:
@@ -261,62 +463,125 @@ class LocalStack:
         config_path = opts.run_dir / "llmgw.resolved.yaml"
         config_path.write_text(yaml.safe_dump(resolved, sort_keys=False))
 
-        workers = opts.workers or spec.server.workers or os.cpu_count() or 1
-        extproc_port = free_port()
+        # Held until stop: a restarted worker binds the same port, and nobody can take it meanwhile.
+        self._extproc_port = reserve_port("127.0.0.1")
+        extproc_port = int(self._extproc_port.getsockname()[1])
         env = {**node_state_env(opts.run_dir), **opts.env}
         if opts.metrics_port is not None:
             env[MULTIPROC_ENV] = str(prepare_multiprocess_dir(opts.run_dir / "metrics"))
-        start_extproc_workers(self.group, config_path, "127.0.0.1", extproc_port, workers, opts.log_level,
-                              env, opts.ready_timeout)
-        if opts.metrics_port is not None:
-            self.metrics = serve_metrics(opts.metrics_port, opts.listen_host, multiproc_dir=Path(env[MULTIPROC_ENV]))
+        workers = spawn_extproc_workers(self.group, config_path, "127.0.0.1", extproc_port,
+                                        opts.workers or spec.server.workers or os.cpu_count() or 1,
+                                        opts.log_level, env)
 
-        admin_port = free_port()
-        rendered = envoyconf.render(
-            opts.envoy_yaml or envoyconf.default_envoy_yaml(), listen_port=opts.port,
-            listen_host=opts.listen_host, extproc_port=extproc_port, admin_port=admin_port,
-            pools=resolved["pools"],
-        )
-        if opts.envoy_patch is not None:
-            opts.envoy_patch(rendered, pod_urls)
-        envoy_path = envoyconf.write(rendered, opts.run_dir / "envoy.yaml")
+        # Envoy starts beside the workers. Port 0 lets it bind free ports itself (no race with
+        # other processes); once known they are written into its config, for its restarts.
+        envoy_path = opts.run_dir / "envoy.yaml"
+
+        def write_envoy_config(listen_port: int, admin_port: int) -> None:
+            rendered = envoyconf.render(
+                opts.envoy_yaml or envoyconf.default_envoy_yaml(), listen_port=listen_port,
+                listen_host=opts.listen_host, extproc_port=extproc_port, admin_port=admin_port,
+                pools=resolved["pools"], stream_idle_timeout_s=spec.envoy.stream_idle_timeout_s,
+            )
+            if opts.envoy_patch is not None:
+                opts.envoy_patch(rendered, pod_urls)
+            envoyconf.write(rendered, envoy_path)
+
+        write_envoy_config(opts.port, 0)
+        admin_file = opts.run_dir / "envoy-admin.address"
+        admin_file.unlink(missing_ok=True)
         envoy = self.group.spawn("envoy", [  # its access log (stdout) goes straight to envoy.log
             envoyconf.envoy_binary(), "-c", str(envoy_path), "--use-dynamic-base-id",
+            "--admin-address-path", str(admin_file),
             "--concurrency", str(opts.envoy_concurrency or os.cpu_count() or 1), "--log-level", "warn",
         ], ready_line=False)
-        admin_url = f"http://127.0.0.1:{admin_port}"
-        wait_http_ok(f"{admin_url}/ready", opts.ready_timeout, envoy)
+
+        for worker in workers:
+            self.group.wait_ready_line(worker, opts.ready_timeout)
+        if opts.metrics_port is not None:
+            self.metrics = serve_metrics(opts.metrics_port, opts.listen_host, multiproc_dir=Path(env[MULTIPROC_ENV]))
+        try:
+            admin_url = f"http://{_wait_envoy_admin(admin_file, envoy, opts.ready_timeout)}"
+            wait_http_ok(f"{admin_url}/ready", opts.ready_timeout, envoy)
+        except ChildFailed as error:
+            if _said_address_in_use(envoy):
+                raise ChildFailed(f"envoy cannot listen on {opts.listen_host}:{opts.port}: "
+                                  f"{os.strerror(errno.EADDRINUSE).lower()}") from error
+            raise
+        listen_port = opts.port or _listener_port(admin_url)
+        write_envoy_config(listen_port, int(admin_url.rpartition(":")[2]))
+
+        if opts.restart:
+            self.group.supervise()
         metrics_url = f"http://127.0.0.1:{self.metrics.port}/metrics" if self.metrics else None
-        self.info = StackInfo(f"http://127.0.0.1:{opts.port}", admin_url, f"127.0.0.1:{extproc_port}",
+        self.info = StackInfo(f"http://127.0.0.1:{listen_port}", admin_url, f"127.0.0.1:{extproc_port}",
                               pod_urls, config_path, self.group.log_dir, metrics_url)
         return self.info
 
     def _start_pods(self, spec: GatewaySpec) -> dict[str, list[str]]:
-        pod_urls: dict[str, list[str]] = {}
-        started: list[tuple[str, object]] = []
+        """Start every simulated pod, each on a port picked here, so that a restarted pod comes back
+        on the address the gateway config and Envoy were given."""
+        started: list[tuple[str, Child, list[str]]] = []
         for pool in spec.pools:
-            served = [m.name for m in spec.models if m.pool == pool.name]
+            served = [arg for m in spec.models if m.pool == pool.name for arg in ("--model", m.name)]
             for i in range(pool.simulate):
-                argv = [sys.executable, "-m", "extproc.sim", "--host", "127.0.0.1", "--port", "0",
-                        *[arg for name in served for arg in ("--model", name)], *self.options.sim_args]
-                started.append((pool.name, self.group.spawn(f"pod-{pool.name}-{i + 1}", argv)))
-        for pool_name, child in started:
-            url = self.group.wait_ready_line(child, self.options.ready_timeout)  # type: ignore[arg-type]
+                child = self.group.spawn(f"pod-{pool.name}-{i + 1}", self._pod_argv(served))
+                started.append((pool.name, child, served))
+        pod_urls: dict[str, list[str]] = {}
+        for pool_name, child, served in started:
+            for attempt in range(1, _PORT_ATTEMPTS + 1):
+                try:
+                    url = self.group.wait_ready_line(child, self.options.ready_timeout)
+                    break
+                except ChildFailed:
+                    if attempt == _PORT_ATTEMPTS or not _said_address_in_use(child):
+                        raise
+                    log.warning("%s: its port was taken before it bound it; trying another", child.name)
+                    self.group.respawn(child, self._pod_argv(served))
             pod_urls.setdefault(pool_name, []).append(url)
         return pod_urls
 
+    def _pod_argv(self, served: list[str]) -> list[str]:
+        return [sys.executable, "-m", "extproc.sim", "--host", "127.0.0.1", "--port", str(free_port()),
+                *served, *self.options.sim_args]
+
     def stop(self) -> None:
-        """Stop every child (and the metrics endpoint)."""
+        """Stop supervising and stop every child (and the metrics endpoint)."""
         self.group.stop()
         if self.metrics is not None:
             self.metrics.stop()
             self.metrics = None
+        if self._extproc_port is not None:
+            self._extproc_port.close()
+            self._extproc_port = None
 
     def __enter__(self) -> StackInfo:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _wait_envoy_admin(path: Path, envoy: Child, timeout: float) -> str:
+    """``host:port`` of Envoy's admin, from the file ``--admin-address-path`` names."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if envoy.proc.poll() is not None:
+            raise ChildFailed(f"envoy exited with code {envoy.proc.returncode} before it was ready "
+                              f"(see {envoy.log_path})")
+        address = path.read_text().strip() if path.is_file() else ""
+        if address:
+            return address
+        time.sleep(0.05)
+    raise ChildFailed(f"envoy did not open its admin within {timeout:.0f} s (see {envoy.log_path})")
+
+
+def _listener_port(admin_url: str) -> int:
+    """The port Envoy's gateway listener bound (asked for port 0)."""
+    with urllib.request.urlopen(f"{admin_url}/listeners?format=json", timeout=5) as response:
+        statuses = json.load(response)["listener_statuses"]
+    listener = next(s for s in statuses if s["name"] == envoyconf.LISTENER)
+    return int(listener["local_address"]["socket_address"]["port_value"])
 
 
 def _with_endpoints(spec: GatewaySpec, pod_urls: dict[str, list[str]]) -> dict[str, object]:

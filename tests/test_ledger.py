@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from extproc.launcher import free_port
-from extproc.ledger import FileLedger, RedisLedger, UsageRecord, read_file, totals, usage_record
+from extproc.ledger import FileLedger, RedisLedger, UsageRecord, read_file, rejection_record, totals, usage_record
 from extproc.observer import ResponseObservation
 from extproc.pricing import Prices
 
@@ -72,7 +72,9 @@ async def test_redis_ledger_buffers_while_redis_is_away_and_bounds_the_buffer() 
 def test_llmgw_usage_formats(tmp_path: Path) -> None:
     path = tmp_path / "usage.jsonl"
     record = usage_record(_observation(), "team-a", Prices(1, 2, 0.5))
-    path.write_bytes(record.to_json() + b"\n" + UsageRecord.from_json(record.to_json()).to_json() + b"\n")
+    rejected = rejection_record("r-429", "team-a", "m", 429, "rate_limit_exceeded", stream=False)
+    path.write_bytes(record.to_json() + b"\n" + UsageRecord.from_json(record.to_json()).to_json() + b"\n"
+                     + rejected.to_json() + b"\n")
 
     def run(*args: str) -> str:
         result = subprocess.run([sys.executable, "-m", "extproc.cli", "usage", "--file", str(path), *args],
@@ -81,8 +83,9 @@ def test_llmgw_usage_formats(tmp_path: Path) -> None:
         return result.stdout
 
     rows = json.loads(run("--format", "json"))
-    assert rows == [{"tenant": "team-a", "model": "m", "requests": 2, "input_tokens": 20, "output_tokens": 10,
-                     "cached_tokens": 8, "cost_usd": round(2 * record.cost_usd, 6)}]
+    # Served requests and the gateway's refusals apart; a refusal costs nothing and counts no tokens.
+    assert rows == [{"tenant": "team-a", "model": "m", "requests": 2, "rejected": 1, "input_tokens": 20,
+                     "output_tokens": 10, "cached_tokens": 8, "cost_usd": round(2 * record.cost_usd, 6)}]
     assert run("--format", "csv").splitlines()[0].startswith("tenant,model,requests")
     assert "team-a" in run("--tenant", "team-a", "--since", "1h")
     assert json.loads(run("--format", "json", "--tenant", "nobody")) == []

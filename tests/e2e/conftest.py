@@ -11,7 +11,7 @@ import httpx
 import pytest
 import yaml
 
-from extproc.launcher import LocalStack, StackInfo, StackOptions, free_port
+from extproc.launcher import LocalStack, StackInfo, StackOptions
 
 MODEL = "llama-3-8b-instruct"
 MAX_BODY = 64 * 1024
@@ -45,7 +45,8 @@ def small_stack(tmp_path_factory: pytest.TempPathFactory, name: str, pods: int,
     config.write_text(yaml.safe_dump({"pools": [{"name": "local", "simulate": pods}],
                                       "models": [{"name": MODEL, "pool": "local"}], **(extra_config or {})}))
     settings: dict[str, Any] = {"workers": 1, "envoy_concurrency": 1, "log_level": "WARNING", **options}
-    return LocalStack(StackOptions(config_path=config, run_dir=run_dir, port=free_port(), **settings))
+    # port 0: Envoy binds a free port itself and the launcher reads it back (no race for it).
+    return LocalStack(StackOptions(config_path=config, run_dir=run_dir, port=0, **settings))
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +55,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
     config_path = Path(run_dir) / "llmgw.yaml"
     config_path.write_text(yaml.safe_dump(E2E_CONFIG))
     options = StackOptions(
-        config_path=config_path, run_dir=run_dir, port=free_port(), workers=2, envoy_concurrency=2,
+        config_path=config_path, run_dir=run_dir, port=0, workers=2, envoy_concurrency=2,
         sim_args=("--record", "200", "--seed", "1"), log_level="INFO", env={"E2E_TENANT_KEY": TENANT_KEY, "E2E_RPM_KEY": RPM_KEY, "E2E_SOLO_KEY": SOLO_KEY},
     )
     with LocalStack(options) as info:

@@ -444,7 +444,7 @@ def _cap_connections(config: dict[str, Any], pod_urls: dict[str, list[str]]) -> 
 
 @pytest.fixture(scope="module")
 def lone_pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalStack, StackInfo]]:
-    stack = small_stack(tmp_path_factory, "edge-lone", pods=1, envoy_patch=_cap_connections)
+    stack = small_stack(tmp_path_factory, "edge-lone", pods=1, envoy_patch=_cap_connections, restart=False)
     with stack as info:
         yield stack, info
 

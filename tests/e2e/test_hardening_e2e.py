@@ -29,9 +29,11 @@ TENANTS = [
     {"name": "small", "keys": [{"env": "HARD_SMALL_KEY"}], "limits": {"rpm": 100000, "concurrency": 100}},
     {"name": "solo", "keys": [{"env": "HARD_SOLO_KEY"}], "limits": {"concurrency": 1}},
     {"name": "free", "keys": [{"env": "HARD_FREE_KEY"}]},
+    {"name": "ledgered", "keys": [{"env": "HARD_LEDGER_KEY"}], "limits": {"rpm": 1}},
 ]
+LEDGER_KEY = "sk-ledgered-tenant"
 KEYS_ENV = {"HARD_BIG_KEY": BIG_KEY, "HARD_SMALL_KEY": SMALL_KEY, "HARD_SOLO_KEY": SOLO_KEY,
-            "HARD_FREE_KEY": FREE_KEY}
+            "HARD_FREE_KEY": FREE_KEY, "HARD_LEDGER_KEY": LEDGER_KEY}
 HELLO = [{"role": "user", "content": "hello"}]
 
 
@@ -290,3 +292,30 @@ def test_pool_timeouts_are_rendered_into_envoy(tmp_path_factory: pytest.TempPath
                            capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stderr[-2000:]
     assert os.path.getsize(path) > 0
+
+
+def test_ledger_and_llmgw_usage_show_served_and_rejected_apart(stack: tuple[StackInfo, LocalStack]) -> None:
+    info, _ = stack
+    statuses = []
+    with httpx.Client(base_url=info.base_url, timeout=30) as client:
+        for model in (MODEL, MODEL, MODEL, "no-such-model"):
+            statuses.append(client.post("/v1/chat/completions", headers=_auth(LEDGER_KEY), json={
+                "model": model, "messages": HELLO, "max_tokens": 1}).status_code)
+        # Without a known key nothing is recorded: no tenant to bill, and a flood must not fill the ledger.
+        assert client.post("/v1/chat/completions", headers=_auth("sk-nobody"), json={
+            "model": MODEL, "messages": HELLO}).status_code == 401
+    assert statuses == [200, 429, 429, 404]
+    ledger_file = info.log_dir.parent / "usage.jsonl"
+    deadline = time.monotonic() + 10
+    while True:
+        result = subprocess.run([sys.executable, "-m", "extproc.cli", "usage", "--file", str(ledger_file),
+                                 "--tenant", "ledgered", "--format", "json"], capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 0, result.stderr
+        rows = orjson.loads(result.stdout)
+        if sum(r["requests"] for r in rows) == 1 and sum(r["rejected"] for r in rows) == 3:
+            break
+        assert time.monotonic() < deadline, rows
+    by_model = {r["model"]: r for r in rows}
+    assert (by_model[MODEL]["requests"], by_model[MODEL]["rejected"]) == (1, 2)
+    assert (by_model["no-such-model"]["requests"], by_model["no-such-model"]["rejected"]) == (0, 1)
