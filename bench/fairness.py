@@ -1,6 +1,7 @@
 """Fairness of work: one tenant's large bodies against another tenant's small requests.
 
-Two stacks (2 extproc workers, 2 Envoy workers, one instant simulated pod each), alike but for
+Two stacks (2 extproc workers, 2 Envoy workers, one instant simulated pod each: the latency is the
+gateway's), alike but for
 where large bodies are analyzed: ``offload`` (the default: bodies from ``server.offload_body_bytes``
 up go to a helper process) and ``inline`` (on the worker's event loop; structure bounds still apply).
 In each round, tenant ``big`` sends 4 concurrent ~5 MB bodies (100,000 tools, an unknown model:
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
             ports[mode] = free_port()
             stack.enter_context(LocalStack(StackOptions(
                 config_path=config, run_dir=run_dir, port=ports[mode], workers=2, envoy_concurrency=2,
-                log_level="WARNING", env={f"BENCH_{n.upper()}_KEY": k for n, k in KEYS.items()})))
+                log_level="WARNING", sim_args=("--time-scale", "0", "--log-level", "ERROR"), env={f"BENCH_{n.upper()}_KEY": k for n, k in KEYS.items()})))
         runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in ports}
         with Progress(transient=True) as progress:
             task = progress.add_task("fairness", total=args.rounds * len(ports))

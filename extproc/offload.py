@@ -4,7 +4,7 @@ the event loop that serves everyone else's requests.
 Python threads would not help: ``orjson.loads`` and pydantic's validator hold the GIL. The helper
 is one spawned process per extproc worker (spawned, not forked: gRPC's threads do not survive a
 fork), started with the server and warmed up so the first large body pays no import. Bodies
-queue behind each other there; once ``max_queued_bytes`` wait, another is refused with a 503 (an
+queue behind each other there; once ``max_queued_bytes`` (16 MiB) wait, another is refused with a 503 (an
 8 MB hostile body costs the helper ~0.1-0.5 s, so a longer queue would outlast Envoy's 2 s
 ext_proc message timeout and end in a 504 anyway).
 """
@@ -25,7 +25,7 @@ from extproc.body import BodyFacts, BodyLimits, analyze
 from extproc.decisions import Analyze
 
 log = logging.getLogger("llmgw.offload")
-MAX_QUEUED_BYTES = 12 << 20
+MAX_QUEUED_BYTES = 16 << 20
 HELPER_NICENESS = 10
 _PR_SET_PDEATHSIG = 1
 
