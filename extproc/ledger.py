@@ -2,7 +2,10 @@
 
 With Redis the records go to a Redis Stream (``XADD``). While Redis is unreachable they wait, in
 order, in a bounded in-process buffer and are flushed when it answers again; only a buffer
-overflow drops records, and those are counted and logged. Without Redis, records are appended as
+overflow drops records, and those are counted and logged. Delivery is at least once: an ``XADD``
+whose reply timed out is sent again, so readers (``totals``, ``llmgw usage``) count a record
+``id`` (the gateway's span id of the request, unique per request whatever the client sends as
+its request id) once. Without Redis, records are appended as
 JSON lines to a file the node's workers share (``O_APPEND`` keeps each line whole).
 """
 
@@ -56,6 +59,7 @@ class UsageRecord:
     stream: bool
     complete: bool
     usage_estimated: bool = False  # counted by the gateway: the pod reported no usage
+    id: str = ""  # the gateway's span id: unique per request, so a record sent twice counts once
     kind: str = SERVED  # or REJECTED
     error: str | None = None  # a rejection's error code (rate_limit_exceeded, model_not_found...)
 
@@ -214,9 +218,14 @@ def totals(records: Iterable[UsageRecord], *, tenant: str | None = None, since_m
            ) -> dict[tuple[str, str], Totals]:
     """Per (tenant, model) sums of the records matching the filters."""
     out: dict[tuple[str, str], Totals] = {}
+    seen: set[str] = set()
     for record in records:
         if (tenant is not None and record.tenant != tenant) or record.ts_ms < since_ms:
             continue
+        if record.id:
+            if record.id in seen:  # the same record written twice (its first XADD's reply was lost)
+                continue
+            seen.add(record.id)
         total = out.setdefault((record.tenant, record.model), Totals())
         if record.kind == REJECTED:
             total.rejected += 1
@@ -239,7 +248,7 @@ def usage_record(observation: ResponseObservation, tenant: str, prices: Prices, 
     end = observation.finished_at or time.monotonic()
     first = observation.first_byte_at
     return UsageRecord(
-        ts_ms=now_ms(), request_id=observation.request_id, tenant=tenant, model=observation.model,
+        id=observation.span_id, ts_ms=now_ms(), request_id=observation.request_id, tenant=tenant, model=observation.model,
         pool=observation.pool, endpoint=observation.endpoint, status=observation.status,
         input_tokens=input_tokens, output_tokens=output_tokens, cached_tokens=cached,
         cost_usd=round(prices.cost(input_tokens, output_tokens, cached), 9),
@@ -250,10 +259,10 @@ def usage_record(observation: ResponseObservation, tenant: str, prices: Prices, 
 
 
 def rejection_record(request_id: str, tenant: str, model: str, status: int, error: str | None,
-                     stream: bool) -> UsageRecord:
+                     stream: bool, record_id: str = "") -> UsageRecord:
     """The ledger record of a request the gateway refused (it never reached a pod)."""
     return UsageRecord(
-        ts_ms=now_ms(), request_id=request_id, tenant=tenant, model=model, pool="", endpoint="", status=status,
+        id=record_id, ts_ms=now_ms(), request_id=request_id, tenant=tenant, model=model, pool="", endpoint="", status=status,
         input_tokens=0, output_tokens=0, cached_tokens=0, cost_usd=0.0, latency_ms=0.0, ttft_ms=None,
         stream=stream, complete=True, kind=REJECTED, error=error,
     )

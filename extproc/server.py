@@ -120,7 +120,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             model = state.model.name if state.model is not None else (facts.model if facts is not None else "")
             self._spawn(self.ledger.append(rejection_record(
                 state.request_id, state.tenant.name, model, error.status, error.code,
-                facts.stream if facts is not None else False)))
+                facts.stream if facts is not None else False, state.trace.span_id if state.trace else "")))
 
     def _passive_health(self, endpoint: str, attempts: str | None) -> None:
         """Envoy needed a second attempt (virtual host include_attempt_count_in_response): the pod

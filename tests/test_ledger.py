@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import uuid
 import subprocess
 import sys
 from pathlib import Path
 
+import orjson
 import pytest
 
 from extproc.launcher import free_port
@@ -30,8 +32,9 @@ def test_cost(tokens: tuple[int, int, int], cost: float) -> None:
 
 def _observation(request_id: str = "r1") -> ResponseObservation:
     observation = ResponseObservation(started=100.0)
-    observation.on_response_headers({":status": "200", "x-request-id": request_id,
-                                     "content-type": "application/json"}, False)
+    span = uuid.uuid4().hex[:16]  # the gateway's span: one per request
+    observation.on_response_headers({":status": "200", "x-request-id": request_id, "content-type": "application/json",
+                                     "traceparent": f"00-{'1' * 32}-{span}-01"}, False)
     observation.attach(100.0, "/v1/chat/completions", "m", "pool", "10.0.0.1:8000", "team-a", Prices(1, 2, 0.5))
     observation.first_byte_at = 100.05
     observation.on_response_body(b'{"usage":{"prompt_tokens":10,"completion_tokens":5,'
@@ -73,8 +76,8 @@ def test_llmgw_usage_formats(tmp_path: Path) -> None:
     path = tmp_path / "usage.jsonl"
     record = usage_record(_observation(), "team-a", Prices(1, 2, 0.5))
     rejected = rejection_record("r-429", "team-a", "m", 429, "rate_limit_exceeded", stream=False)
-    path.write_bytes(record.to_json() + b"\n" + UsageRecord.from_json(record.to_json()).to_json() + b"\n"
-                     + rejected.to_json() + b"\n")
+    second = usage_record(_observation(), "team-a", Prices(1, 2, 0.5))  # another request, same figures
+    path.write_bytes(record.to_json() + b"\n" + second.to_json() + b"\n" + rejected.to_json() + b"\n")
 
     def run(*args: str) -> str:
         result = subprocess.run([sys.executable, "-m", "extproc.cli", "usage", "--file", str(path), *args],
@@ -89,3 +92,12 @@ def test_llmgw_usage_formats(tmp_path: Path) -> None:
     assert run("--format", "csv").splitlines()[0].startswith("tenant,model,requests")
     assert "team-a" in run("--tenant", "team-a", "--since", "1h")
     assert json.loads(run("--format", "json", "--tenant", "nobody")) == []
+
+
+def test_a_record_written_twice_counts_once() -> None:
+    # At least once: a record whose XADD reply was lost is sent again; its id (the gateway's span
+    # id) makes the copy count once, while two requests sharing a client's x-request-id both count.
+    first = usage_record(_observation("same-client-id"), "t", Prices(1, 1))
+    again = UsageRecord.from_json(first.to_json())
+    other = UsageRecord(**{**orjson.loads(first.to_json()), "id": "another-span"})
+    assert first.id and totals([first, again, other])[("t", "m")].requests == 2
