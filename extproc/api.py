@@ -376,8 +376,8 @@ class ParsedRequest:
     raw: dict[str, Any]
 
 
-def parse_request(operation: Operation, body: bytes) -> ParsedRequest:
-    """Parse and validate a request body; raises ApiError (400) naming the offending param."""
+def load_object(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object naming a model; raises ApiError (400) otherwise."""
     try:
         raw = orjson.loads(body)
     except orjson.JSONDecodeError as error:
@@ -386,11 +386,21 @@ def parse_request(operation: Operation, body: bytes) -> ParsedRequest:
         raise invalid_json("expected a JSON object")
     if "model" not in raw:
         raise ApiError(400, "you must provide a model parameter", param="model", code="missing_required_parameter")
+    return raw
+
+
+def validate(operation: Operation, raw: dict[str, Any]) -> ParsedRequest:
+    """Validate a loaded body against the operation's request model; raises ApiError (400)."""
     try:
         model = operation.request_type.model_validate(raw)
     except ValidationError as error:
         raise _api_error(error) from None
     return ParsedRequest(operation, model, raw)  # type: ignore[arg-type]
+
+
+def parse_request(operation: Operation, body: bytes) -> ParsedRequest:
+    """Parse and validate a request body; raises ApiError (400) naming the offending param."""
+    return validate(operation, load_object(body))
 
 
 def _api_error(error: ValidationError) -> ApiError:

@@ -18,9 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from pydantic import ValidationError
-
-from extproc.api import (ApiError, EmbeddingRequest, Operation, ParsedRequest, _api_error, invalid_json)
+from extproc.api import ApiError, EmbeddingRequest, Operation, ParsedRequest, load_object, validate
 from extproc.tokens import FallbackEstimator, TokenEstimator
 
 
@@ -58,20 +56,10 @@ def analyze(operation: Operation, body: bytes, served_names: Mapping[str, str], 
     ``served_names`` maps every name a client may use (canonical names and aliases) to the name
     pods serve; a model missing from it is reported as ``served=None`` (the caller answers 404).
     """
-    try:
-        raw = orjson.loads(body)
-    except orjson.JSONDecodeError as error:
-        raise invalid_json(str(error)) from None
-    if not isinstance(raw, dict):
-        raise invalid_json("expected a JSON object")
-    if "model" not in raw:
-        raise ApiError(400, "you must provide a model parameter", param="model", code="missing_required_parameter")
+    raw = load_object(body)
     check_structure(raw, limits)
-    try:
-        request = operation.request_type.model_validate(raw)
-    except ValidationError as error:
-        raise _api_error(error) from None
-    parsed = ParsedRequest(operation, request, raw)  # type: ignore[arg-type]
+    parsed = validate(operation, raw)
+    request = parsed.model
     served = served_names.get(request.model)
     strip_usage = needs_usage_chunk(parsed)
     changed = False
