@@ -119,9 +119,13 @@ def test_qos_class_from_the_header_with_its_own_limit(redis_and_stack) -> None: 
 
 
 def _ledger(redis: RedisServer, tenant: str) -> list[dict[str, object]]:
+    """The tenant's served requests in the ledger, each once: the stream is at least once (an XADD
+    whose reply timed out is sent again) and readers count a record id once; refusals are apart."""
     client = Redis.from_url(redis.url)
     records = [orjson.loads(fields[b"r"]) for _, fields in client.xrange("llmgw:usage")]
-    return [record for record in records if record["tenant"] == tenant]
+    served = {record.get("id") or n: record for n, record in enumerate(records)
+              if record["tenant"] == tenant and record.get("kind", "served") == "served"}
+    return list(served.values())
 
 
 def test_spending_budget_refuses_with_402_once_spent(redis_and_stack) -> None:  # noqa: ANN001
