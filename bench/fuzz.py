@@ -671,12 +671,12 @@ def _raw_case(rng: random.Random, index: int) -> Case:
         half_close = no_answer_ok = not complete  # the client gives up: the server may just close
     elif what == "request_line":
         line = rng.choice((
-            f"POST {path} HTTP/1.0", f"GET /v1/models HTTP/1.0", f"POST {path} HTTP/2.0", f"POST {path} HTTP/1.2",
+            f"POST {path} HTTP/1.0", "GET /v1/models HTTP/1.0", f"POST {path} HTTP/2.0", f"POST {path} HTTP/1.2",
             f"POST {path} http/1.1", f"post {path} HTTP/1.1", f"POST  {path} HTTP/1.1", f"POST {path}  HTTP/1.1",
             f"POST {path} HTTP/1.1 extra", f"POST\t{path}\tHTTP/1.1", f"POST http://fuzz.local{path} HTTP/1.1",
             "GET http://evil.example/v1/models HTTP/1.1", f"POST https://fuzz.local{path} HTTP/1.1",
             "CONNECT fuzz.local:443 HTTP/1.1", f"{'P' * 300} {path} HTTP/1.1", f"POST {path}", "GET /",
-            f"POST {path} HTTP/1.1\x00", f"POST /v1/chat/\x00completions HTTP/1.1", "FOO(BAR) / HTTP/1.1",
+            f"POST {path} HTTP/1.1\x00", "POST /v1/chat/\x00completions HTTP/1.1", "FOO(BAR) / HTTP/1.1",
         ))
         parts = line.split()
         method, target = parts[0], parts[1] if len(parts) > 1 else path

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 
 import aiohttp
 import httpx
-import orjson
 import pytest
 from redis import Redis
 
