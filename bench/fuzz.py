@@ -1124,14 +1124,18 @@ async def check_slots(base_url: str, limit: int = SLOT_LIMIT, within: float = 10
         while True:
             attempts += 1
             streams: list[httpx.Response] = []
+            # The body iterators are kept: a dropped one is closed by the garbage collector, and
+            # closing it hangs up the connection (the slot would be freed, not held).
+            readers: list[Any] = []
             try:
                 refused_at = None
                 for _ in range(limit):
                     response = await client.send(client.build_request("POST", "/v1/chat/completions", json=body),
                                                  stream=True)
                     streams.append(response)
+                    readers.append(response.aiter_raw())
                     # Admitted and streaming: the first chunk came (a refusal or an empty answer did not).
-                    if response.status_code != 200 or not await anext(response.aiter_raw(), b""):
+                    if response.status_code != 200 or not await anext(readers[-1], b""):
                         refused_at = len(streams)
                         break
                 held = len(streams) if refused_at is None else refused_at - 1
@@ -1144,7 +1148,7 @@ async def check_slots(base_url: str, limit: int = SLOT_LIMIT, within: float = 10
                     await response.aclose()
             if time.monotonic() > deadline:
                 return {"limit": limit, "held": held, "attempts": attempts, "next_status": None, "ok": False}
-            await asyncio.sleep(0.2)  # poll: hung-up streams free their slots as the observer sees them end
+            await asyncio.sleep(0.2)  # poll: hung-up streams free their slots as their access-log entries come
 
 
 # ---------------------------------------------------------------------------------------------

@@ -49,12 +49,13 @@ class BodyFacts:
 
 
 def analyze(operation: Operation, body: bytes, served_names: Mapping[str, str], limits: BodyLimits,
-            estimator: TokenEstimator | None = None) -> tuple[BodyFacts, bytes | None]:
+            estimators: Mapping[str, TokenEstimator] | None = None) -> tuple[BodyFacts, bytes | None]:
     """Parse, bound, validate and estimate ``body``: its facts, and the body to forward when it
     changed (else None: forward it as is). Raises ``ApiError`` (400) for a bad one.
 
     ``served_names`` maps every name a client may use (canonical names and aliases) to the name
     pods serve; a model missing from it is reported as ``served=None`` (the caller answers 404).
+    ``estimators`` counts a served model's input with its own tokenizer; others get a heuristic.
     """
     raw = load_object(body)
     check_structure(raw, limits)
@@ -72,7 +73,7 @@ def analyze(operation: Operation, body: bytes, served_names: Mapping[str, str], 
     facts = BodyFacts(
         model=request.model, served=served, stream=bool(getattr(request, "stream", False)),
         n=getattr(request, "n", None) or 1, output_limit=request.output_limit,
-        embedding=isinstance(request, EmbeddingRequest), input_tokens=(estimator or _FALLBACK).estimate(parsed).total,
+        embedding=isinstance(request, EmbeddingRequest), input_tokens=((estimators or {}).get(served or "") or _FALLBACK).estimate(parsed).total,
         strip_usage=strip_usage and served is not None,
     )
     # Depth is bounded (max_depth < orjson's 254 levels), so dumps cannot raise here.

@@ -7,7 +7,6 @@ import csv
 import json
 import logging
 import os
-import secrets
 import signal
 import sys
 import time
@@ -28,7 +27,7 @@ from extproc.config import (
     load_config,
     load_spec,
 )
-from extproc.keys import add_keys_commands
+from extproc.keys import add_keys_commands, new_api_key
 from extproc.launcher import (
     ChildFailed,
     LocalStack,
@@ -192,11 +191,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         reserved.close()
 
 
-def new_api_key() -> str:
-    """A fresh random API key."""
-    return "sk-llmgw-" + secrets.token_urlsafe(24)
-
-
 def cmd_keygen(args: argparse.Namespace) -> int:
     """``llmgw keygen``: a new API key and the config lines that grant it (only the hash is stored)."""
     key = new_api_key()
@@ -235,8 +229,8 @@ def cmd_usage(args: argparse.Namespace) -> int:
             return 1
         records = ledger.read_file(path)
     rows = [
-        {"tenant": tenant, "model": model, "requests": t.requests, "rejected": t.rejected, "input_tokens": t.input_tokens,
-         "output_tokens": t.output_tokens, "cached_tokens": t.cached_tokens, "cost_usd": round(t.cost_usd, 6)}
+        {"tenant": tenant, "model": model, "requests": t.requests, "rejected": t.rejected, "unsettled": t.unsettled,
+         "input_tokens": t.input_tokens, "output_tokens": t.output_tokens, "cached_tokens": t.cached_tokens, "cost_usd": round(t.cost_usd, 6)}
         for (tenant, model), t in sorted(ledger.totals(records, tenant=args.tenant, since_ms=since).items())
     ]
     if args.format == "json":

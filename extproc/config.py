@@ -18,7 +18,6 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from extproc.cache.bloom import BloomFilter
 from extproc.quota.limits import UNLIMITED, Limits, Quota
 from extproc.pricing import Prices
 from extproc.resources import resolve_resource
@@ -106,9 +105,13 @@ class ModelSpec(_Strict):
     name: Annotated[str, Field(pattern=_NAME.pattern)]
     pool: str
     price: PriceSpec = Field(default_factory=PriceSpec)
-    # The model's tokenizer.json (a path or pkg:<package>/<file>): counts streamed output exactly
-    # when a pod reports no usage. Without one, a heuristic (about 4 characters per token).
+    # The model's tokenizer.json (a path or pkg:<package>/<file>): counts each request's input
+    # exactly (reservations; the input of a stream whose pod reports no usage). Without one, a
+    # heuristic (about 4 characters per token).
     tokenizer: str | None = None
+    # The model's version (a checkpoint or deployment tag): sent to the pod as trace baggage and
+    # recorded on the request's span (llmgw.model.version).
+    version: Annotated[str, Field(max_length=128, pattern=r"^[A-Za-z0-9._:/+-]*$")] = ""
     aliases: list[Annotated[str, Field(pattern=_NAME.pattern)]] = Field(default_factory=list)
     owned_by: str = "llmgw"
     max_model_len: Annotated[int, Field(gt=0)] | None = None
@@ -218,6 +221,62 @@ class EnvoySpec(_Strict):
     stream_idle_timeout_s: Annotated[float, Field(gt=0, le=86400)] = 300.0
 
 
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an RFC 9110 token
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _http_url(url: str) -> str:
+    if not re.match(r"^https?://[^\s/]+(/\S*)?$", url):
+        raise ValueError(f"{url!r} is not an http:// or https:// URL")
+    return url
+
+
+def _header_name(name: str) -> str:
+    if not _HEADER_NAME.match(name):
+        raise ValueError(f"{name!r} is not an HTTP header name")
+    return name
+
+
+def _header_value(value: str) -> str:
+    if "\r" in value or "\n" in value:
+        raise ValueError("a header value cannot hold a line break")  # the value may be a secret: not echoed
+    return value
+
+
+def _env_name(name: str) -> str:
+    if not _ENV_NAME.match(name):
+        raise ValueError(f"{name!r} is not an environment variable name")
+    return name
+
+
+_HeaderName = Annotated[str, AfterValidator(_header_name)]
+
+
+class TracingSpec(_Strict):
+    """OpenTelemetry tracing: one span per request, sent over OTLP/HTTP (protobuf) to a collector.
+
+    ``headers`` are sent with every export as written; a secret (an API key of a tracing backend)
+    belongs in ``headers_env`` instead, which names the environment variable holding the value.
+    """
+
+    enabled: bool = False
+    endpoint: Annotated[str, AfterValidator(_http_url)] = "http://127.0.0.1:4318/v1/traces"
+    headers: dict[_HeaderName, Annotated[str, AfterValidator(_header_value)]] = Field(default_factory=dict, repr=False)
+    headers_env: dict[_HeaderName, Annotated[str, AfterValidator(_env_name)]] = Field(default_factory=dict)
+    # Of the traces the gateway starts; a client's traceparent decides for the traces it continues.
+    sampling_ratio: Annotated[float, Field(ge=0, le=1)] = 1.0
+    service_name: Annotated[str, Field(min_length=1)] = "llmgw"
+    timeout_s: Annotated[float, Field(gt=0, le=60)] = 10.0
+
+    @model_validator(mode="after")
+    def _one_source_per_header(self) -> TracingSpec:
+        inline = {name.lower() for name in self.headers}
+        for name in self.headers_env:
+            if name.lower() in inline:
+                raise ValueError(f"headers_env.{name}: also given in headers")
+        return self
+
+
 class GatewaySpec(_Strict):
     """The whole YAML document."""
 
@@ -230,6 +289,7 @@ class GatewaySpec(_Strict):
     tenants: list[TenantSpec] = Field(default_factory=list)
     quota: QuotaSpec = Field(default_factory=QuotaSpec)
     keys: KeysSpec = Field(default_factory=KeysSpec)
+    tracing: TracingSpec = Field(default_factory=TracingSpec)
 
     @model_validator(mode="after")
     def _cross_references(self) -> GatewaySpec:
@@ -279,6 +339,7 @@ class Model:
     max_model_len: int | None
     prices: Prices = field(default_factory=Prices)
     tokenizer: Path | None = None
+    version: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,6 +361,18 @@ class Tenant:
 
 
 @dataclass(frozen=True, slots=True)
+class Tracing:
+    """Compiled tracing settings; the export headers (secrets among them) are redacted in repr."""
+
+    enabled: bool = False
+    endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    sampling_ratio: float = 1.0
+    service_name: str = "llmgw"
+    timeout_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """The frozen snapshot the request path reads; swapped whole, never mutated."""
 
@@ -311,19 +384,17 @@ class GatewayConfig:
     redis_url: str | None = field(repr=False)
     tenants_by_key: dict[bytes, Tenant] = field(default_factory=dict, repr=False)  # SHA-256 digest -> tenant
     tenants_by_name: dict[str, Tenant] = field(default_factory=dict)
-    key_filter: BloomFilter = field(default_factory=BloomFilter, repr=False)
     auth_required: bool = False
     quota: QuotaSpec = field(default_factory=QuotaSpec)
     keys: KeysSpec = field(default_factory=KeysSpec)
+    tracing: Tracing = field(default_factory=Tracing)
 
     def lookup(self, requested: str) -> Model | None:
         """The model a client's ``model`` field names, through aliases; None when unknown."""
         return self.models_by_name.get(requested)
 
     def tenant_for(self, digest: bytes) -> Tenant | None:
-        """The tenant owning the key with this SHA-256 digest; the Bloom filter answers most misses."""
-        if digest not in self.key_filter:
-            return None
+        """The tenant owning the key with this SHA-256 digest."""
         return self.tenants_by_key.get(digest)
 
 
@@ -367,7 +438,7 @@ def compile_spec(spec: GatewaySpec, *, env: dict[str, str] | os._Environ[str]) -
                              p.health)
     models = tuple(
         Model(m.name, pools[m.pool], tuple(m.aliases), m.owned_by, m.max_model_len, Prices(**m.price.model_dump()),
-              _tokenizer_path(m.tokenizer, f"models[{i}].tokenizer"))
+              _tokenizer_path(m.tokenizer, f"models[{i}].tokenizer"), m.version)
         for i, m in enumerate(spec.models)
     )
     by_name = {name: model for model in models for name in (model.name, *model.aliases)}
@@ -378,7 +449,18 @@ def compile_spec(spec: GatewaySpec, *, env: dict[str, str] | os._Environ[str]) -
         if not t.keys and redis_url is None:
             raise ConfigError(f"tenants[{i}].keys: empty, and no redis_url to hold keys added with `llmgw keys add`")
     return GatewayConfig(by_name, models, pools, spec.server.max_body_bytes, spec.server, redis_url,
-                         keys, tenants, BloomFilter(keys), bool(spec.tenants), spec.quota, spec.keys)
+                         keys, tenants, bool(spec.tenants), spec.quota, spec.keys,
+                         _compile_tracing(spec.tracing, env))
+
+
+def _compile_tracing(spec: TracingSpec, env: Any) -> Tracing:
+    # Secrets are read only when they will be sent: a disabled section needs no environment.
+    headers = dict(spec.headers)
+    if spec.enabled:
+        for name, variable in spec.headers_env.items():
+            headers[name] = _env_value(env, variable, f"tracing.headers_env.{name}")
+    return Tracing(spec.enabled, spec.endpoint, tuple(headers.items()), spec.sampling_ratio, spec.service_name,
+                   spec.timeout_s)
 
 
 def _tokenizer_path(spec: str | None, where: str) -> Path | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from extproc.api import ApiError, Operation
 from extproc.body import BodyLimits
@@ -25,6 +25,9 @@ class Continue:
     remove_headers: tuple[str, ...] = ()
     body: bytes | None = None
     clear_route_cache: bool = False
+    # Envoy dynamic metadata: (namespace, JSON-able mapping) pairs (ProcessingResponse.dynamic_metadata;
+    # the filter's metadata_options.receiving_namespaces must list each namespace).
+    metadata: tuple[tuple[str, Mapping[str, object]], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +54,8 @@ class Reply:
 
 @dataclass(frozen=True, slots=True)
 class Admit:
-    """Not an answer yet: the shell must ask the quota store, then hand the verdict back to the
-    gateway (``Gateway.admitted``), which answers with a Continue or a 429 Reply."""
+    """Not an answer yet: the shell must ask the quota store, then hand the verdict (or the
+    ``StoreUnavailable`` it raised) to ``Gateway.resume``, which answers with a Continue or a 429."""
 
     admission: Admission
     quota: Quota
@@ -61,13 +64,16 @@ class Admit:
 @dataclass(frozen=True, slots=True)
 class Analyze:
     """Not an answer yet: a large body, for the shell to analyze off the event loop
-    (``extproc.body.analyze`` with these arguments), then hand to ``Gateway.body_analyzed``."""
+    (``extproc.body.analyze`` with these arguments), then hand to ``Gateway.resume``."""
 
     operation: Operation
     body: bytes
     served_names: Mapping[str, str]
     limits: BodyLimits
+    tokenizers: Mapping[str, str] = field(default_factory=dict)  # served name -> tokenizer.json path
 
 
 Decision = Continue | Reply
+Effect = Admit | Analyze  # work the shell does, then hands back to ``Gateway.resume``
+Step = Decision | Effect
 PASS_THROUGH = Continue()

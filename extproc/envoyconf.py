@@ -70,11 +70,13 @@ def render(
     coordinator: tuple[str, int] | None = None,
     pools: list[dict[str, Any]] | None = None,
     stream_idle_timeout_s: float | None = None,
+    access_log_flush_s: float | None = None,
 ) -> dict[str, Any]:
     """The config of ``source`` with the given addresses; everything else as written.
 
     ``pools`` (the gateway config's, as YAML data, endpoints filled in) become the pods cluster's
-    endpoints and one route per pool with its ``first_byte_timeout_s``.
+    endpoints and one route per pool with its ``first_byte_timeout_s``. ``access_log_flush_s``
+    is how often in-flight requests are logged (their leases renewed): under the lease TTL.
     """
     config = yaml.safe_load(source.read_text())
     config["admin"]["address"] = _socket("127.0.0.1", admin_port)
@@ -90,6 +92,8 @@ def render(
     manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
     if stream_idle_timeout_s is not None:
         manager["stream_idle_timeout"] = _duration(stream_idle_timeout_s)
+    if access_log_flush_s is not None:
+        manager.setdefault("access_log_options", {})["access_log_flush_interval"] = _duration(access_log_flush_s)
     if pools:
         set_pods(config, pools)
     return config

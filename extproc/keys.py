@@ -11,7 +11,7 @@ Each process polls the counter (``watch``: one ``GET`` a second). When it moved,
 applies the log entries since its own version to a copy of its snapshot, or, when the log no
 longer reaches back that far (a long outage, a lost Redis), reloads the whole table (``HSCAN``
 in batches, yielding to the event loop between them). The request path asks the immutable
-``KeySnapshot`` in memory (Bloom filter first) and never talks to Redis: a flood of random keys
+``KeySnapshot`` in memory (one dict lookup) and never talks to Redis: a flood of random keys
 costs no Redis command, and a revocation reaches every replica within about one poll interval.
 
 While Redis is unreachable the last snapshot is kept: a key revoked just before the outage, or
@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import logging
 import os
+import secrets
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -39,7 +39,6 @@ from redis import exceptions as redis_errors
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from extproc.cache.bloom import DEFAULT_BITS, BloomFilter
 from extproc.config import _NAME as TENANT_NAME  # the config's own rule for tenant names
 from extproc.config import hash_key
 
@@ -48,8 +47,6 @@ log = logging.getLogger("llmgw.keys")
 PREFIX = "llmgw:keys"
 REDIS_URL_ENV = "LLMGW_REDIS_URL"
 DIGEST_BYTES = 32  # SHA-256
-BITS_PER_KEY = 64  # Bloom filter bits per key: ~1e-4 false positives with k=3
-MAX_FALSE_POSITIVES = 1e-3  # past this (keys added since the last reload), reload to resize the filter
 SCAN_BATCH = 2_000  # HSCAN COUNT of a reload: the most entries parsed between two awaits
 LOG_LENGTH = 10_000  # changes kept in the log (approximately: XADD MAXLEN ~)
 NO_VERSION = -1  # the empty snapshot's version: any version read from Redis differs
@@ -92,12 +89,9 @@ def check_tenant_name(tenant: str) -> str:
     return tenant
 
 
-def bloom_bits(count: int) -> int:
-    """Bloom filter size for ``count`` keys: 1 MiB, or more so each key has ``BITS_PER_KEY`` bits."""
-    bits = DEFAULT_BITS
-    while bits < count * BITS_PER_KEY:
-        bits *= 2
-    return bits
+def new_api_key() -> str:
+    """A fresh random API key (``llmgw keys add``, ``llmgw keygen``, the dev key of ``llmgw up``)."""
+    return "sk-llmgw-" + secrets.token_urlsafe(24)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,20 +99,15 @@ class KeySnapshot:
     """The key table as of one version in Redis: read by the request path, swapped whole."""
 
     by_digest: MappingProxyType[bytes, str] = field(repr=False)  # SHA-256 digest -> tenant name
-    # Holds every digest of ``by_digest``, and possibly revoked ones until the next full reload:
-    # a Bloom filter cannot forget, and a "maybe" is settled by ``by_digest`` anyway.
-    bloom: BloomFilter = field(repr=False)
     version: int
 
     @classmethod
     def empty(cls) -> KeySnapshot:
         """No keys: before the first load, or after ``max_stale_s`` without Redis."""
-        return cls(MappingProxyType({}), BloomFilter(bits=64), NO_VERSION)
+        return cls(MappingProxyType({}), NO_VERSION)
 
     def tenant_name(self, digest: bytes) -> str | None:
-        """The tenant a key digest belongs to; the Bloom filter answers most unknown keys."""
-        if digest not in self.bloom:
-            return None
+        """The tenant a key digest belongs to, None for an unknown key."""
         return self.by_digest.get(digest)
 
     def __len__(self) -> int:
@@ -128,14 +117,13 @@ class KeySnapshot:
 class SnapshotBuilder:
     """Collects the table batch by batch (so a reload yields to the event loop between batches)."""
 
-    def __init__(self, version: int, expected: int = 0) -> None:
+    def __init__(self, version: int) -> None:
         self.version = version
         self.skipped = 0  # fields that are not a digest, or names that are not a tenant name
         self._table: dict[bytes, str] = {}
         # Raw name as Redis sent it -> checked name: each tenant is decoded and checked once, and
         # all its keys share one str object.
         self._names: dict[bytes | str, str] = {}
-        self._bloom = BloomFilter(bits=bloom_bits(expected))
 
     def add(self, entries: Iterable[tuple[bytes | str, bytes | str]]) -> None:
         """Add (digest hex, tenant name) pairs as Redis returns them; malformed ones are skipped."""
@@ -149,13 +137,11 @@ class SnapshotBuilder:
             except (ValueError, UnicodeDecodeError):
                 self.skipped += 1
                 continue
-            if digest not in self._table:  # HSCAN may return a field twice
-                self._bloom.add(digest)
-            self._table[digest] = name
+            self._table[digest] = name  # HSCAN may return a field twice: the same pair again
 
     def build(self) -> KeySnapshot:
         """The immutable snapshot."""
-        return KeySnapshot(MappingProxyType(self._table), self._bloom, self.version)
+        return KeySnapshot(MappingProxyType(self._table), self.version)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,23 +166,17 @@ def parse_log_entry(entry_id: bytes | str, fields: Mapping[bytes, bytes]) -> Key
 def apply_changes(snapshot: KeySnapshot, changes: Sequence[KeyChange]) -> KeySnapshot | None:
     """``snapshot`` with ``changes`` applied (a new snapshot; the old one is untouched).
 
-    None when they do not follow on from its version (the log was trimmed or lost: reload the
-    table) or when the keys added since the last reload crowd the Bloom filter (reload to resize).
+    None when they do not follow on from its version (the log was trimmed or lost: reload the table).
     """
     if not changes or any(change.version != snapshot.version + i for i, change in enumerate(changes, 1)):
         return None
     table = snapshot.by_digest.copy()  # a dict; dict(proxy) would copy item by item, ~6x slower
-    bloom = copy.deepcopy(snapshot.bloom)
     for change in changes:
         if change.tenant is None:
             table.pop(change.digest, None)
         else:
-            if change.digest not in bloom:
-                bloom.add(change.digest)
             table[change.digest] = change.tenant
-    if bloom.false_positive_rate() > MAX_FALSE_POSITIVES:
-        return None
-    return KeySnapshot(MappingProxyType(table), bloom, changes[-1].version)
+    return KeySnapshot(MappingProxyType(table), changes[-1].version)
 
 
 # -- Redis shell ------------------------------------------------------------------------------------
@@ -295,9 +275,7 @@ class RedisKeyTable:
         The version is read before the scan: a change made during the scan bumps the counter past
         it, so the next ``refresh`` applies it again (harmless), and none is ever missed.
         """
-        async with self.client.pipeline(transaction=True) as pipe:
-            version_raw, size = await pipe.get(self.version_key).hlen(self.table).execute()
-        builder = SnapshotBuilder(int(version_raw) if version_raw is not None else 0, int(size))
+        builder = SnapshotBuilder(await self.version())
         cursor = 0
         while True:
             cursor, batch = await self.client.hscan(self.table, cursor, count=SCAN_BATCH)
@@ -428,8 +406,6 @@ def _run(args: argparse.Namespace, action: Callable[[RedisKeyTable], Awaitable[T
 
 def cmd_keys_add(args: argparse.Namespace) -> int:
     """``llmgw keys add``: grant a key to a tenant; a generated key is printed here, once, and nowhere else."""
-    from extproc.cli import new_api_key  # here: extproc.cli imports this module
-
     generated = args.key is None
     key = new_api_key() if generated else _key_argument(args.key)
     try:

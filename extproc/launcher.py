@@ -361,7 +361,7 @@ def spawn_extproc_workers(group: ProcessGroup, config_path: str | Path, host: st
     """Start ``count`` extproc worker processes that share ``host:port`` (SO_REUSEPORT)."""
     return [
         group.spawn(f"extproc-{i + 1}", [
-            sys.executable, "-m", "extproc.server", "--config", str(config_path),
+            sys.executable, "-m", "extproc.app", "--config", str(config_path),
             "--host", host, "--port", str(port), "--log-level", log_level,
         ], env=env)
         for i in range(count)
@@ -482,6 +482,7 @@ class LocalStack:
                 opts.envoy_yaml or envoyconf.default_envoy_yaml(), listen_port=listen_port,
                 listen_host=opts.listen_host, extproc_port=extproc_port, admin_port=admin_port,
                 pools=resolved["pools"], stream_idle_timeout_s=spec.envoy.stream_idle_timeout_s,
+                access_log_flush_s=spec.quota.lease_ttl_s / 3,
             )
             if opts.envoy_patch is not None:
                 opts.envoy_patch(rendered, pod_urls)

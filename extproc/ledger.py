@@ -4,7 +4,7 @@ With Redis the records go to a Redis Stream (``XADD``). While Redis is unreachab
 order, in a bounded in-process buffer and are flushed when it answers again; only a buffer
 overflow drops records, and those are counted and logged. Delivery is at least once: an ``XADD``
 whose reply timed out is sent again, so readers (``totals``, ``llmgw usage``) count a record
-``id`` (the gateway's span id of the request, unique per request whatever the client sends as
+``id`` (the gateway's id of the request, unique per request whatever the client sends as
 its request id) once. Without Redis, records are appended as
 JSON lines to a file the node's workers share (``O_APPEND`` keeps each line whole).
 """
@@ -27,12 +27,10 @@ from redis import asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from extproc.observer import ResponseObservation, Usage
-from extproc.pricing import Prices
+from extproc.accounting import REJECTED, SERVED, UNSETTLED, Decision, RequestRecord
 
 log = logging.getLogger("llmgw.ledger")
 STREAM = "llmgw:usage"
-SERVED, REJECTED = "served", "rejected"
 BUFFER_LIMIT = 100_000
 FLUSH_INTERVAL_S = 1.0
 
@@ -59,8 +57,8 @@ class UsageRecord:
     stream: bool
     complete: bool
     usage_estimated: bool = False  # counted by the gateway: the pod reported no usage
-    id: str = ""  # the gateway's span id: unique per request, so a record sent twice counts once
-    kind: str = SERVED  # or REJECTED
+    id: str = ""  # the gateway's request id: unique, so a record sent twice counts once
+    kind: str = SERVED  # or REJECTED, UNSETTLED
     error: str | None = None  # a rejection's error code (rate_limit_exceeded, model_not_found...)
 
     def to_json(self) -> bytes:
@@ -208,6 +206,7 @@ class Totals:
 
     requests: int = 0  # served: they reached a pod
     rejected: int = 0  # answered by the gateway with an error
+    unsettled: int = 0  # forwarded, but no access-log entry ever settled them (usage unknown)
     input_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
@@ -216,10 +215,16 @@ class Totals:
 
 def totals(records: Iterable[UsageRecord], *, tenant: str | None = None, since_ms: int = 0
            ) -> dict[tuple[str, str], Totals]:
-    """Per (tenant, model) sums of the records matching the filters."""
+    """Per (tenant, model) sums of the records matching the filters. A request counts once: the
+    same record written twice, or an ``unsettled`` mark of a request another worker settled, is
+    skipped."""
     out: dict[tuple[str, str], Totals] = {}
+    records = list(records)
+    settled = {r.id for r in records if r.id and r.kind != UNSETTLED}
     seen: set[str] = set()
     for record in records:
+        if record.kind == UNSETTLED and record.id in settled:
+            continue
         if (tenant is not None and record.tenant != tenant) or record.ts_ms < since_ms:
             continue
         if record.id:
@@ -230,6 +235,9 @@ def totals(records: Iterable[UsageRecord], *, tenant: str | None = None, since_m
         if record.kind == REJECTED:
             total.rejected += 1
             continue
+        if record.kind == UNSETTLED:
+            total.unsettled += 1
+            continue
         total.requests += 1
         total.input_tokens += record.input_tokens
         total.output_tokens += record.output_tokens
@@ -238,34 +246,31 @@ def totals(records: Iterable[UsageRecord], *, tenant: str | None = None, since_m
     return out
 
 
-def usage_record(observation: ResponseObservation, tenant: str, prices: Prices, usage: Usage | None = None,
-                 estimated: bool = False) -> UsageRecord:
-    """The ledger record of a request the observer saw end (or saw the client abandon); ``usage``
-    defaults to what the pod reported."""
-    usage = usage if usage is not None else observation.usage()
+def ledger_record(record: RequestRecord) -> UsageRecord:
+    """The ledger's line for a finished request: served (it reached a pod) or rejected."""
+    d, usage = record.decision, record.usage
     input_tokens, output_tokens, cached = (usage.input_tokens, usage.output_tokens, usage.cached_tokens) \
         if usage is not None else (0, 0, 0)
-    end = observation.finished_at or time.monotonic()
-    first = observation.first_byte_at
+    served = record.kind == SERVED
     return UsageRecord(
-        id=observation.span_id, ts_ms=now_ms(), request_id=observation.request_id, tenant=tenant, model=observation.model,
-        pool=observation.pool, endpoint=observation.endpoint, status=observation.status,
-        input_tokens=input_tokens, output_tokens=output_tokens, cached_tokens=cached,
-        cost_usd=round(prices.cost(input_tokens, output_tokens, cached), 9),
-        latency_ms=round((end - observation.started) * 1000, 3),
-        ttft_ms=round((first - observation.started) * 1000, 3) if first is not None else None,
-        stream=observation.streamed, complete=observation.complete, usage_estimated=estimated,
-    )
+        id=d.id, ts_ms=now_ms(), request_id=d.request_id, tenant=d.tenant,
+        model=d.served_model or d.model, pool=d.pool,
+        endpoint=(record.upstream or d.endpoint) if served else "", status=record.status,
+        input_tokens=input_tokens, output_tokens=output_tokens, cached_tokens=cached, cost_usd=record.cost_usd,
+        latency_ms=record.duration_ms if served else 0.0, ttft_ms=record.ttft_ms, stream=d.stream,
+        complete=record.complete if served else True, usage_estimated=record.usage_estimated,
+        kind=record.kind, error=record.error)
 
 
-def rejection_record(request_id: str, tenant: str, model: str, status: int, error: str | None,
-                     stream: bool, record_id: str = "") -> UsageRecord:
-    """The ledger record of a request the gateway refused (it never reached a pod)."""
+def unsettled_record(decision: Decision) -> UsageRecord:
+    """The ledger's mark of a forwarded request whose access-log entry never came (the stream to
+    extproc was down): it happened, its usage is unknown; its lease came back by TTL."""
     return UsageRecord(
-        id=record_id, ts_ms=now_ms(), request_id=request_id, tenant=tenant, model=model, pool="", endpoint="", status=status,
-        input_tokens=0, output_tokens=0, cached_tokens=0, cost_usd=0.0, latency_ms=0.0, ttft_ms=None,
-        stream=stream, complete=True, kind=REJECTED, error=error,
-    )
+        id=decision.id, ts_ms=now_ms(), request_id=decision.request_id, tenant=decision.tenant,
+        model=decision.served_model, pool=decision.pool, endpoint=decision.endpoint, status=0,
+        input_tokens=decision.input_tokens, output_tokens=0, cached_tokens=0, cost_usd=0.0, latency_ms=0.0,
+        ttft_ms=None, stream=decision.stream, complete=False, usage_estimated=True, kind=UNSETTLED,
+        error="no_access_log_entry")
 
 
 def now_ms() -> int:

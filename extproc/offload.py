@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import logging
 import multiprocessing
 import os
@@ -22,6 +23,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 from extproc.api import ApiError, Operation
 from extproc.body import BodyFacts, BodyLimits, analyze
+from extproc.tokens import BpeEstimator, TokenEstimator
 from extproc.decisions import Analyze
 
 log = logging.getLogger("llmgw.offload")
@@ -33,11 +35,18 @@ Analyzed = tuple[BodyFacts, bytes | None] | ApiError
 _ErrorFields = tuple[int, str, str, str | None, str | None]
 
 
+@functools.lru_cache(maxsize=64)
+def _estimator(path: str) -> TokenEstimator:
+    """A tokenizer, loaded once per helper process."""
+    return BpeEstimator.from_spec(path)
+
+
 def _analyze_in_helper(operation: Operation, body: bytes, served_names: dict[str, str],
-                       limits: BodyLimits) -> tuple[BodyFacts, bytes | None] | _ErrorFields:
+                       limits: BodyLimits, tokenizers: dict[str, str]) -> tuple[BodyFacts, bytes | None] | _ErrorFields:
     # An ApiError does not survive pickling (a dataclass exception has no args): send its fields.
     try:
-        return analyze(operation, body, served_names, limits)
+        estimators = {name: _estimator(path) for name, path in tokenizers.items()}
+        return analyze(operation, body, served_names, limits, estimators)
     except ApiError as error:
         return (error.status, error.message, error.type, error.param, error.code)
 
@@ -86,7 +95,8 @@ class BodyAnalyzer:
         self._queued += size
         try:
             result = await asyncio.get_running_loop().run_in_executor(
-                self._ensure_pool(), _analyze_in_helper, job.operation, job.body, dict(job.served_names), job.limits)
+                self._ensure_pool(), _analyze_in_helper, job.operation, job.body, dict(job.served_names), job.limits,
+                dict(job.tokenizers))
         except BrokenProcessPool:
             log.error("the body-analysis helper process died; starting a new one")
             self._pool = None

@@ -13,6 +13,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingResponse,
 )
 from envoy.type.v3.http_status_pb2 import HttpStatus
+from google.protobuf.struct_pb2 import Struct
 
 from extproc.decisions import Continue, Decision, Reply
 from extproc.phases import Phase
@@ -73,9 +74,23 @@ def to_response(phase: Phase, decision: Decision) -> ProcessingResponse:
         )
     common = _common(decision)
     if phase is Phase.REQUEST_HEADERS:
-        return ProcessingResponse(request_headers=HeadersResponse(response=common))
-    if phase is Phase.REQUEST_BODY:
-        return ProcessingResponse(request_body=BodyResponse(response=common))
+        response = ProcessingResponse(request_headers=HeadersResponse(response=common))
+    elif phase is Phase.REQUEST_BODY:
+        response = ProcessingResponse(request_body=BodyResponse(response=common))
+    else:
+        return _other(phase, common)
+    if decision.metadata:
+        response.dynamic_metadata.CopyFrom(_struct(decision.metadata))
+    return response
+
+
+def _struct(metadata: tuple[tuple[str, object], ...]) -> Struct:
+    struct = Struct()
+    struct.update(dict(metadata))
+    return struct
+
+
+def _other(phase: Phase, common: CommonResponse) -> ProcessingResponse:
     if phase is Phase.RESPONSE_HEADERS:
         return ProcessingResponse(response_headers=HeadersResponse(response=common))
     if phase is Phase.RESPONSE_BODY:

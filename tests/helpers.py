@@ -61,3 +61,18 @@ def request_body(body: bytes, end_of_stream: bool = True) -> pb.ProcessingReques
 def post_headers(path: str = "/v1/chat/completions", **extra: str) -> dict[str, str]:
     """Headers of a JSON POST as Envoy passes them."""
     return {":method": "POST", ":path": path, ":authority": "gw", "content-type": "application/json", **extra}
+
+
+def make_decision(**overrides: object):  # noqa: ANN201
+    """A forwarded request's decision, as extproc attaches it (override any field)."""
+    from extproc.accounting import Decision
+
+    fields: dict[str, object] = {
+        "id": "0000000000000001", "request_id": "req-1", "started_ns": 1_700_000_000_000_000_000,
+        "path": "/v1/chat/completions", "model": "gpt-4o-mini", "served_model": "llama-3-8b-instruct",
+        "model_version": "", "pool": "general", "endpoint": "10.0.0.1:8000", "rule": "model", "stream": True,
+        "input_tokens": 12, "max_tokens": 64, "tenant": "team-a", "qos": "standard",
+        "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736", "span_id": "00f067aa0ba902b7", "sampled": True,
+    }
+    fields.update(overrides)
+    return Decision(**fields)  # type: ignore[arg-type]

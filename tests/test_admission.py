@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import random
 
 import orjson
@@ -10,9 +9,9 @@ import pytest
 
 from extproc.config import hash_key, parse_config
 from extproc.decisions import Admit, Continue, Reply
-from extproc.gateway import Gateway, RequestState
-from extproc.observer import Usage
-from extproc.quota import MemoryStore
+from extproc.gateway import Gateway
+from extproc.quota import MemoryStore, StoreUnavailable
+from extproc.state import RequestState
 from extproc.routing.picker import LeastInFlight
 from tests.helpers import CONFIG, post_headers
 
@@ -42,12 +41,12 @@ async def test_admitted_requests_route_with_rate_headers_then_429(gateway: Gatew
         assert state.endpoint is None  # nothing is picked before the store says yes
         assert ask.admission.reserve_tokens == state.reserved_tokens
         assert 50 < state.reserved_tokens <= 50 + 20  # input estimate + predicted output capped by max_tokens
-        decision = gateway.admitted(state, await store.admit(ask.admission, ask.quota))
+        decision = gateway.resume(state, ask, await store.admit(ask.admission, ask.quota))
         assert isinstance(decision, Continue) and state.endpoint is not None and state.lease is not None
         headers = dict(decision.set_headers)
         assert (headers["x-ratelimit-limit-requests"], headers["x-ratelimit-remaining-requests"]) == ("2", remaining)
     state, ask = _ask(gateway)
-    refused = gateway.admitted(state, await store.admit(ask.admission, ask.quota))
+    refused = gateway.resume(state, ask, await store.admit(ask.admission, ask.quota))
     assert isinstance(refused, Reply) and refused.status == 429
     error = orjson.loads(refused.body)["error"]
     assert (error["code"], error["type"]) == ("rate_limit_exceeded", "requests")
@@ -56,21 +55,18 @@ async def test_admitted_requests_route_with_rate_headers_then_429(gateway: Gatew
     assert state.endpoint is None and state.lease is None  # a refused request holds nothing
 
 
-async def test_settle_is_claimed_once_and_teaches_the_predictor(gateway: Gateway) -> None:
+async def test_settle_is_claimed_once(gateway: Gateway) -> None:
     store = MemoryStore()
     state, ask = _ask(gateway)
-    gateway.admitted(state, await store.admit(ask.admission, ask.quota))
-    lease = gateway.settle(state, Usage(5, 40))
-    assert lease is not None and gateway.settle(state) is None  # the stream's end finds it settled
-    await store.release(lease, 45)
-    stats = gateway.predictor.stats(("team-l", "llama-3-8b-instruct"))
-    assert stats is not None and stats.observations == 1
+    gateway.resume(state, ask, await store.admit(ask.admission, ask.quota))
+    lease = gateway.settle(state)
+    assert lease is not None and lease.lease_id == state.id and gateway.settle(state) is None
 
 
 def test_store_outage_with_fail_closed_is_503(gateway: Gateway) -> None:
-    state, _ = _ask(gateway)
-    reply = gateway.store_unavailable(state)
-    assert reply.status == 503 and orjson.loads(reply.body)["error"]["code"] == "service_unavailable"
+    state, ask = _ask(gateway)
+    reply = gateway.resume(state, ask, StoreUnavailable("down"))
+    assert isinstance(reply, Reply) and reply.status == 503 and orjson.loads(reply.body)["error"]["code"] == "service_unavailable"
     assert dict(reply.headers)["retry-after"] == "1"
 
 
@@ -81,43 +77,6 @@ def test_tenant_without_limits_is_routed_directly() -> None:
     gateway.request_headers(state, post_headers(authorization=f"Bearer {KEY}"), False)
     decision = gateway.request_body(state, CHAT)
     assert isinstance(decision, Continue) and not [k for k, _ in decision.set_headers if k.startswith("x-ratelimit")]
-
-
-async def test_observer_settles_with_usage_even_after_the_main_stream_ended(gateway: Gateway) -> None:
-    from collections.abc import AsyncIterator
-
-    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-
-    from extproc.server import ExternalProcessor
-    from tests.helpers import header_map, request_body, request_headers
-
-    store = MemoryStore()
-    servicer = ExternalProcessor(gateway, store)
-
-    async def stream(*messages: pb.ProcessingRequest) -> AsyncIterator[pb.ProcessingRequest]:
-        for message in messages:
-            yield message
-
-    class _Context:
-        async def abort(self, code: object, details: str) -> None:
-            raise AssertionError(details)
-
-    main = [r async for r in servicer.Process(stream(  # type: ignore[arg-type]
-        request_headers(post_headers(authorization=f"Bearer {KEY}", **{"x-request-id": "req-9"})),
-        request_body(CHAT)), _Context())]
-    headers = {h.header.key: h.header.raw_value.decode()
-               for h in main[0].request_headers.response.header_mutation.set_headers}
-    # The main stream is over (JSON responses often end it first); now the observer's messages come.
-    observed = pb.ProcessingRequest(observability_mode=True, response_headers=pb.HttpHeaders(headers=header_map({
-        ":status": "200", "content-type": "application/json", "x-request-id": "req-9",
-        "traceparent": headers["traceparent"]})))
-    body = pb.ProcessingRequest(observability_mode=True, response_body=pb.HttpBody(
-        body=b'{"usage":{"prompt_tokens":12,"completion_tokens":30}}', end_of_stream=True))
-    assert [r async for r in servicer.Process(stream(observed, body), _Context())] == []  # type: ignore[arg-type]
-    stats = gateway.predictor.stats(("team-l", "llama-3-8b-instruct"))
-    assert stats is not None and stats.observations == 1  # the observer found the finished request
-    await asyncio.sleep(0.15)  # one housekeeping round: the settled lease is forgotten
-    assert servicer._leased == {}
 
 
 PRICED = {**CONFIG,
@@ -165,7 +124,7 @@ async def test_each_class_has_its_own_limit_on_top_of_the_tenants(priced: Gatewa
         priced.request_headers(state, post_headers(authorization="Bearer sk-q", **{"x-llmgw-qos": qos}), False)
         ask = priced.request_body(state, CHAT)
         assert isinstance(ask, Admit)
-        return priced.admitted(state, await store.admit(ask.admission, ask.quota))
+        return priced.resume(state, ask, await store.admit(ask.admission, ask.quota))
 
     admitted = await send("batch")
     assert isinstance(admitted, Continue) and ("x-llmgw-qos", "batch") in admitted.set_headers  # for the pod
@@ -192,7 +151,7 @@ async def test_spending_budget_reserves_cost_and_refuses_with_402(priced: Gatewa
     expected = 1000 * inputs + 2000 * (state.reserved_tokens - inputs)
     assert admit.admission.reserve_cost == state.reserved_cost == expected
     spent = 0
-    while isinstance(decision := priced.admitted(state, await store.admit(admit.admission, admit.quota)), Continue):
+    while isinstance(decision := priced.resume(state, admit, await store.admit(admit.admission, admit.quota)), Continue):
         spent += state.reserved_cost
         state, admit = ask()
     assert spent <= 1_000_000 < spent + state.reserved_cost  # admitted until the next would pass $1
@@ -201,14 +160,6 @@ async def test_spending_budget_reserves_cost_and_refuses_with_402(priced: Gatewa
     assert (error["type"], error["code"]) == ("insufficient_quota", "insufficient_quota")
     assert "daily spending budget of $1.00" in error["message"] and "team-b" in error["message"]
     assert int(dict(decision.headers)["retry-after"]) >= 1  # until UTC midnight
-
-
-def test_charge_of_prices_the_real_usage(priced: Gateway) -> None:
-    state = priced.new_request()
-    priced.request_headers(state, post_headers(authorization="Bearer sk-b"), False)
-    priced.request_body(state, CHAT)
-    assert priced.charge_of(state, Usage(10, 20)) == (30, 10 * 1000 + 20 * 2000)
-    assert priced.charge_of(state, None) == (None, None)  # no usage: the reservation stands
 
 
 async def _process(servicer: object, *messages: object) -> list[object]:
@@ -233,14 +184,14 @@ async def test_a_bug_after_admission_gives_the_slot_back_and_answers_500(monkeyp
     store = MemoryStore()
     servicer = ExternalProcessor(gateway, store)
 
-    def broken(state: RequestState) -> None:
+    def broken(state: RequestState, qos_header: str) -> None:
         raise RuntimeError("a bug in routing")
 
-    monkeypatch.setattr(gateway, "_route", broken)
+    monkeypatch.setattr(gateway.router, "route", broken)
     replies = await _process(servicer, request_headers(post_headers(authorization="Bearer sk-s")), request_body(CHAT))
     answer = replies[-1].immediate_response  # type: ignore[attr-defined]
     assert answer.status.code == 500 and orjson.loads(answer.body)["error"]["code"] == "internal_error"
-    await asyncio.gather(*servicer._tasks)  # the release was sent
+    await servicer.settlement.drain()  # the release was sent
     monkeypatch.undo()
     # The only concurrency slot is free again: the next request is admitted at once.
     state = gateway.new_request()
@@ -248,15 +199,6 @@ async def test_a_bug_after_admission_gives_the_slot_back_and_answers_500(monkeyp
     admit = gateway.request_body(state, CHAT)
     assert isinstance(admit, Admit)
     assert (await store.admit(admit.admission, admit.quota)).admitted
-
-
-def test_refused_requests_are_not_kept_after_their_stream(gateway: Gateway) -> None:
-    state = gateway.new_request()
-    gateway.request_headers(state, post_headers(authorization=f"Bearer {KEY}"), False)
-    reply = gateway.request_body(state, b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}')
-    assert isinstance(reply, Reply) and reply.status == 404
-    gateway.finish(state)
-    assert state.trace is not None and gateway.active(state.trace.span_id) is None  # O(1) and gone
 
 
 def test_large_bodies_are_handed_to_the_shell_for_analysis() -> None:

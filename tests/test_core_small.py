@@ -8,7 +8,6 @@ from collections import Counter
 import pytest
 
 from extproc.config import ConfigError, parse_config
-from extproc.observer import ResponseObservation, Usage, find_usage
 from extproc.phases import Phase, ProtocolError, Stage, advance, check
 from extproc.routing.picker import LeastInFlight
 from extproc.telemetry.tracecontext import continue_or_start, request_id
@@ -81,36 +80,6 @@ def test_advance() -> None:
     assert advance(Stage.START, Phase.REQUEST_HEADERS, answered=True, end_of_stream=False) is Stage.ANSWERED
     assert advance(Stage.AWAIT_BODY, Phase.REQUEST_BODY, answered=False, end_of_stream=True) is Stage.FORWARDED
     assert advance(Stage.AWAIT_BODY, Phase.REQUEST_BODY, answered=False, end_of_stream=False) is Stage.AWAIT_TRAILERS
-
-
-@pytest.mark.parametrize(
-    ("tail", "usage"),
-    [
-        (b'{"id":"x","usage":{"prompt_tokens":5,"completion_tokens":7,"total_tokens":12}}', Usage(5, 7)),
-        (b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4,'
-         b'"prompt_tokens_details":{"cached_tokens":2}}}\n\ndata: [DONE]\n\n', Usage(3, 4, 2)),
-        (b'data: {"usage":{"prompt_tokens":1,"completion_tokens":1}}\n\ndata: {"usage": null}\n\n',
-         Usage(1, 1)),  # the last non-null usage wins
-        (b'{"text":"\\"usage\\": {}","usage":{"prompt_tokens":2,"completion_tokens":0}}', Usage(2, 0)),
-        (b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n', None),  # no include_usage
-        (b'tokens":9}}', None),  # usage cut off by the tail window
-    ],
-    ids=["json", "sse-final-chunk", "last-non-null", "key-inside-string", "none", "truncated"],
-)
-def test_find_usage(tail: bytes, usage: Usage | None) -> None:
-    assert find_usage(tail) == usage
-
-
-def test_observation_keeps_a_bounded_tail() -> None:
-    observation = ResponseObservation()
-    observation.on_response_headers({":status": "200", "content-type": "text/event-stream"}, False)
-    for _ in range(2000):
-        observation.on_response_body(b'data: {"choices":[{"delta":{"content":"token"}}]}\n\n', False)
-    observation.on_response_body(b'data: {"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":2000}}\n\n'
-                                 b"data: [DONE]\n\n", True)
-    assert observation.complete and observation.streamed and observation.chunks == 2001
-    assert len(observation.tail) <= 16 * 1024
-    assert observation.usage() == Usage(9, 2000)
 
 
 @pytest.mark.parametrize(

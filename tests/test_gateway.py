@@ -8,7 +8,9 @@ import orjson
 import pytest
 
 from extproc.decisions import Continue, Reply
-from extproc.gateway import DESTINATION_HEADER, Gateway, RequestState
+from extproc.gateway import Gateway
+from extproc.state import RequestState
+from extproc.validation import DESTINATION_HEADER
 from extproc.routing.picker import LeastInFlight
 from tests.helpers import deterministic_id_source, make_config, post_headers
 
@@ -167,9 +169,31 @@ def test_least_in_flight_spreads_and_releases(gateway: Gateway) -> None:
     second, _ = through_body(gateway, CHAT)
     assert {first.endpoint, second.endpoint} == {"10.0.0.1:8000", "10.0.0.2:8000"}  # one each
     endpoint = first.endpoint
-    gateway.finish(first)
+    gateway.router.ended(first.id)  # its access-log entry came to this process
+    gateway.router.ended(first.id)  # a duplicate releases nothing more
     third, _ = through_body(gateway, CHAT)
     assert third.endpoint == endpoint  # the freed endpoint is now the least loaded
+
+
+def test_picks_whose_entries_went_elsewhere_are_forgotten(gateway: Gateway) -> None:
+    first, _ = through_body(gateway, CHAT)
+    second, _ = through_body(gateway, CHAT)
+    gateway.router.running(second.id)  # a periodic entry: still generating
+    stale = gateway.router.forget_stale(now=10**9)
+    assert {d.id for d in stale} == {first.id, second.id} and gateway.router.picks == 0
+
+
+def test_the_decision_rides_as_metadata_with_baggage(gateway: Gateway) -> None:
+    from extproc.accounting import Decision
+
+    state, decision = through_body(gateway, CHAT, **{"x-request-id": "req-9"})
+    assert isinstance(decision, Continue)
+    (namespace, data), = decision.metadata
+    carried = Decision.from_metadata(data)
+    assert namespace == "llmgw" and carried.id == state.id and carried.request_id == "req-9"
+    assert (carried.served_model, carried.pool, carried.endpoint) == ("llama-3-8b-instruct", "general", state.endpoint)
+    assert [p.name for p in carried.phases] == ["auth", "tokens", "route"]
+    assert dict(decision.set_headers)["baggage"] == "llmgw.request_id=req-9"
 
 
 def test_client_envoy_headers_never_reach_a_pod(gateway: Gateway) -> None:

@@ -9,6 +9,7 @@ import base64
 import json
 import os
 import random
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.json_format import MessageToDict
 
 from extproc.gateway import Gateway
+from extproc.routing.decision import METADATA_NAMESPACE
 from extproc.routing.picker import LeastInFlight
 from extproc.server import ExternalProcessor
 from tests.helpers import deterministic_id_source, make_config, post_headers, request_body, request_headers
@@ -59,7 +61,7 @@ async def _run(messages: list[pb.ProcessingRequest]) -> list[dict[str, object]]:
             yield message
 
     responses = ExternalProcessor(gateway).Process(requests(), _Context())  # type: ignore[arg-type]
-    return [_readable(MessageToDict(r)) async for r in responses]
+    return [_timeless(_readable(MessageToDict(r))) async for r in responses]
 
 
 def _readable(value: object) -> object:
@@ -70,6 +72,17 @@ def _readable(value: object) -> object:
     if isinstance(value, list):
         return [_readable(v) for v in value]
     return value
+
+
+def _timeless(response: object) -> object:
+    """Blank the decision metadata's clock readings, which differ each run: its start (``started_ns``)
+    and the phases' offsets and durations (``name:start_us:duration_us,...``)."""
+    assert isinstance(response, dict)
+    decision = response.get("dynamicMetadata", {}).get(METADATA_NAMESPACE)
+    if decision is not None:
+        decision["started_ns"] = "<ns>"
+        decision["phases"] = re.sub(r":\d+", ":<us>", decision["phases"])
+    return response
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))

@@ -10,12 +10,10 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from types import MappingProxyType
 
 import pytest
 import redis
 
-from extproc.cache.bloom import DEFAULT_BITS, BloomFilter
 from extproc.config import hash_key
 from extproc.keys import (
     NO_VERSION,
@@ -25,7 +23,6 @@ from extproc.keys import (
     RedisKeyTable,
     SnapshotBuilder,
     apply_changes,
-    bloom_bits,
     digest_of,
     parse_digest_hex,
     parse_log_entry,
@@ -113,21 +110,8 @@ def test_parse_digest_hex_refuses(text: str) -> None:
         parse_digest_hex(text)
 
 
-@pytest.mark.parametrize(
-    ("count", "bits"),
-    [
-        (0, DEFAULT_BITS),
-        (100_000, DEFAULT_BITS),  # 64 bits a key fit in 1 MiB
-        (200_000, 2 * DEFAULT_BITS),  # doubled until each key has 64 bits
-        (1_000_000, 8 * DEFAULT_BITS),
-    ],
-)
-def test_bloom_bits(count: int, bits: int) -> None:
-    assert bloom_bits(count) == bits
-
-
 def test_builder_skips_malformed_entries_and_shares_names() -> None:
-    builder = SnapshotBuilder(version=7, expected=3)
+    builder = SnapshotBuilder(version=7)
     builder.add([
         (hash_key(KEY_A).hex().encode(), b"team-a"),
         (hash_key(KEY_B).hex(), "team-a"),
@@ -180,13 +164,6 @@ def test_apply_changes(changes: list[KeyChange], expected: dict[bytes, str] | No
     assert {digest: after.tenant_name(digest) for digest in (A, B, C)} == {d: expected.get(d) for d in (A, B, C)}
     assert dict(before.by_digest) == {A: "team-a", B: "team-b"}  # the old snapshot is untouched
     assert before.tenant_name(C) is None
-
-
-def test_apply_changes_reloads_when_the_bloom_filter_fills_up() -> None:
-    before = KeySnapshot(MappingProxyType({}), BloomFilter(bits=64 * 1024), 0)  # 64 bits a key for 1,024 keys
-    many = [KeyChange(i, os.urandom(32), "team-a") for i in range(1, 3001)]
-    assert apply_changes(before, many[:1000]) is not None
-    assert apply_changes(before, many) is None  # ~2e-3 false positives: reload to get a bigger filter
 
 
 @pytest.mark.parametrize(

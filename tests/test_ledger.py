@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import json
-import uuid
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import orjson
 import pytest
 
+from extproc.accounting import REJECTED, SERVED, RequestRecord, ResponseFacts, Usage, build_record, rejection
 from extproc.launcher import free_port
-from extproc.ledger import FileLedger, RedisLedger, UsageRecord, read_file, rejection_record, totals, usage_record
-from extproc.observer import ResponseObservation
+from extproc.ledger import FileLedger, RedisLedger, UsageRecord, ledger_record, read_file, totals
 from extproc.pricing import Prices
+from tests.helpers import make_decision
+
+START = 1_700_000_000_000_000_000  # epoch ns: the request headers reached the gateway
+MS = 1_000_000
+PRICES = Prices(1, 2, 0.5)
 
 
 @pytest.mark.parametrize(
@@ -30,30 +35,46 @@ def test_cost(tokens: tuple[int, int, int], cost: float) -> None:
     assert Prices(input=0.15, output=0.60, cached=0.075).cost(*tokens) == pytest.approx(cost)
 
 
-def _observation(request_id: str = "r1") -> ResponseObservation:
-    observation = ResponseObservation(started=100.0)
-    span = uuid.uuid4().hex[:16]  # the gateway's span: one per request
-    observation.on_response_headers({":status": "200", "x-request-id": request_id, "content-type": "application/json",
-                                     "traceparent": f"00-{'1' * 32}-{span}-01"}, False)
-    observation.attach(100.0, "/v1/chat/completions", "m", "pool", "10.0.0.1:8000", "team-a", Prices(1, 2, 0.5))
-    observation.first_byte_at = 100.05
-    observation.on_response_body(b'{"usage":{"prompt_tokens":10,"completion_tokens":5,'
-                                 b'"prompt_tokens_details":{"cached_tokens":4}}}', True)
-    return observation
+def _served(request_id: str = "r1", tenant: str = "team-a", prices: Prices = PRICES) -> RequestRecord:
+    """A streamed request served in 120 ms, first byte at 50 ms, with the pod's usage object."""
+    decision = make_decision(id=uuid.uuid4().hex[:16], request_id=request_id, tenant=tenant, served_model="m",
+                             started_ns=START)  # a fresh gateway id: one per request
+    response = ResponseFacts(status=200, end_ns=START + 120 * MS, upstream="10.0.0.2:8000",
+                             first_byte_ns=START + 50 * MS, usage=Usage(input_tokens=10, output_tokens=5, cached_tokens=4))
+    return build_record(decision, response, prices)
 
 
-def test_usage_record_from_an_observation() -> None:
-    record = usage_record(_observation(), "team-a", Prices(1, 2, 0.5))
+def _rejected(request_id: str = "r-429", tenant: str = "team-a") -> RequestRecord:
+    """A request the gateway refused with a 429 before it reached a pod."""
+    decision = make_decision(id=uuid.uuid4().hex[:16], request_id=request_id, tenant=tenant, model="m",
+                             served_model="", pool="", endpoint="", stream=False, started_ns=START)
+    return rejection(decision, 429, "rate_limit_exceeded", START + 2 * MS)
+
+
+def test_ledger_record_of_a_served_request() -> None:
+    served = _served()
+    record = ledger_record(served)
+    assert (record.id, record.kind, record.error) == (served.decision.id, SERVED, None)
     assert (record.tenant, record.model, record.status) == ("team-a", "m", 200)
+    assert record.endpoint == "10.0.0.2:8000"  # the pod Envoy reached, not the one first picked
     assert (record.input_tokens, record.output_tokens, record.cached_tokens) == (10, 5, 4)
     assert record.cost_usd == pytest.approx((6 * 1 + 4 * 0.5 + 5 * 2) / 1e6)
-    assert record.ttft_ms == pytest.approx(50.0, abs=0.01) and record.complete
+    assert record.ttft_ms == pytest.approx(50.0, abs=0.01) and record.latency_ms == pytest.approx(120.0)
+    assert record.complete and record.stream and not record.usage_estimated
+
+
+def test_ledger_record_of_a_rejection() -> None:
+    record = ledger_record(_rejected())
+    assert (record.kind, record.error, record.status) == (REJECTED, "rate_limit_exceeded", 429)
+    assert (record.tenant, record.model, record.endpoint) == ("team-a", "m", "")  # the model as asked
+    # A refusal costs nothing and counts no tokens.
+    assert (record.input_tokens, record.output_tokens, record.cost_usd, record.latency_ms) == (0, 0, 0.0, 0.0)
 
 
 async def test_file_ledger_round_trip_and_totals(tmp_path: Path) -> None:
     sink = FileLedger(tmp_path / "usage.jsonl")
     for i, tenant in enumerate(["a", "a", "b"]):
-        await sink.append(usage_record(_observation(f"r{i}"), tenant, Prices(1, 1)))
+        await sink.append(ledger_record(_served(f"r{i}", tenant, Prices(1, 1))))
     await sink.close()
     records = list(read_file(tmp_path / "usage.jsonl"))
     assert [r.request_id for r in records] == ["r0", "r1", "r2"]
@@ -65,7 +86,7 @@ async def test_file_ledger_round_trip_and_totals(tmp_path: Path) -> None:
 
 async def test_redis_ledger_buffers_while_redis_is_away_and_bounds_the_buffer() -> None:
     ledger = RedisLedger.from_url(f"redis://127.0.0.1:{free_port()}/0", buffer_limit=3, flush_interval_s=0.01)
-    records = [usage_record(_observation(f"r{i}"), "t", Prices()) for i in range(5)]
+    records = [ledger_record(_served(f"r{i}", "t", Prices())) for i in range(5)]
     for record in records:
         await ledger.append(record)  # never raises for an outage
     assert ledger.buffered == 3 and ledger.dropped == 2  # the two oldest went, loudly
@@ -74,9 +95,9 @@ async def test_redis_ledger_buffers_while_redis_is_away_and_bounds_the_buffer() 
 
 def test_llmgw_usage_formats(tmp_path: Path) -> None:
     path = tmp_path / "usage.jsonl"
-    record = usage_record(_observation(), "team-a", Prices(1, 2, 0.5))
-    rejected = rejection_record("r-429", "team-a", "m", 429, "rate_limit_exceeded", stream=False)
-    second = usage_record(_observation(), "team-a", Prices(1, 2, 0.5))  # another request, same figures
+    record = ledger_record(_served())
+    rejected = ledger_record(_rejected())
+    second = ledger_record(_served())  # another request, same figures
     path.write_bytes(record.to_json() + b"\n" + second.to_json() + b"\n" + rejected.to_json() + b"\n")
 
     def run(*args: str) -> str:
@@ -87,7 +108,7 @@ def test_llmgw_usage_formats(tmp_path: Path) -> None:
 
     rows = json.loads(run("--format", "json"))
     # Served requests and the gateway's refusals apart; a refusal costs nothing and counts no tokens.
-    assert rows == [{"tenant": "team-a", "model": "m", "requests": 2, "rejected": 1, "input_tokens": 20,
+    assert rows == [{"tenant": "team-a", "model": "m", "requests": 2, "rejected": 1, "unsettled": 0, "input_tokens": 20,
                      "output_tokens": 10, "cached_tokens": 8, "cost_usd": round(2 * record.cost_usd, 6)}]
     assert run("--format", "csv").splitlines()[0].startswith("tenant,model,requests")
     assert "team-a" in run("--tenant", "team-a", "--since", "1h")
@@ -95,9 +116,20 @@ def test_llmgw_usage_formats(tmp_path: Path) -> None:
 
 
 def test_a_record_written_twice_counts_once() -> None:
-    # At least once: a record whose XADD reply was lost is sent again; its id (the gateway's span
-    # id) makes the copy count once, while two requests sharing a client's x-request-id both count.
-    first = usage_record(_observation("same-client-id"), "t", Prices(1, 1))
+    # At least once: a record whose XADD reply was lost is sent again; its id (the gateway's id of
+    # the request) makes the copy count once, while two requests sharing a client's x-request-id both count.
+    first = ledger_record(_served("same-client-id", "t", Prices(1, 1)))
     again = UsageRecord.from_json(first.to_json())
-    other = UsageRecord(**{**orjson.loads(first.to_json()), "id": "another-span"})
+    other = UsageRecord(**{**orjson.loads(first.to_json()), "id": "another-request"})
     assert first.id and totals([first, again, other])[("t", "m")].requests == 2
+
+
+def test_an_unsettled_mark_counts_only_when_no_worker_settled_the_request() -> None:
+    from extproc.ledger import unsettled_record
+    from tests.helpers import make_decision
+
+    served = ledger_record(_served())
+    lost = unsettled_record(make_decision(id="lost-one", tenant=served.tenant, served_model=served.model))
+    settled_elsewhere = unsettled_record(make_decision(id=served.id, tenant=served.tenant, served_model=served.model))
+    (total,) = totals([served, lost, settled_elsewhere]).values()
+    assert (total.requests, total.unsettled) == (1, 1)

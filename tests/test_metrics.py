@@ -1,11 +1,12 @@
-"""GatewayMetrics: what one request and one sync write, read back from the registry."""
+"""GatewayMetrics: what one request's record and one sync write, read back from the registry."""
 
 from __future__ import annotations
 
-from extproc.observer import ResponseObservation, Usage
+from extproc.accounting import ResponseFacts, Usage, build_record, rejection
 from extproc.pricing import Prices
 from extproc.quota import FallbackStats
 from extproc.telemetry.metrics import GatewayMetrics
+from tests.helpers import make_decision
 
 
 def _value(metrics: GatewayMetrics, name: str, **labels: str) -> float:
@@ -15,22 +16,21 @@ def _value(metrics: GatewayMetrics, name: str, **labels: str) -> float:
 
 def test_a_streamed_response_records_tokens_duration_ttft_and_cost() -> None:
     metrics = GatewayMetrics()
-    observation = ResponseObservation()
-    observation.on_response_headers({":status": "200", "content-type": "text/event-stream"}, False)
-    observation.attach(observation.first_byte_at or 0.0, "/v1/chat/completions", "llama", "pool", "10.0.0.1:8000",
-                       "team-a", Prices(input=1.0, output=2.0))
-    observation.started -= 0.5  # as if the request began half a second ago
-    observation.on_response_body(b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n', False)
-    observation.on_response_body(b"data: [DONE]\n\n", True)
-    metrics.record_response(observation, Usage(100, 50), estimated=True)
+    decision = make_decision(served_model="llama")
+    started = decision.started_ns
+    response = ResponseFacts(status=200, end_ns=started + 500_000_000, content_events=50,
+                             first_event_ns=started + 40_000_000, streamed=True)
+    record = build_record(decision, response, Prices(input=1.0, output=2.0))
+    assert record.usage == Usage(12, 50) and record.usage_estimated  # no usage object: counted events
+    metrics.record(record)
     labels = {"gen_ai_operation_name": "chat", "gen_ai_request_model": "llama", "llmgw_tenant": "team-a"}
-    assert _value(metrics, "gen_ai_client_token_usage_sum", **labels, gen_ai_token_type="input") == 100
+    assert _value(metrics, "gen_ai_client_token_usage_sum", **labels, gen_ai_token_type="input") == 12
     assert _value(metrics, "gen_ai_client_token_usage_sum", **labels, gen_ai_token_type="output") == 50
-    assert _value(metrics, "gen_ai_client_operation_duration_seconds_count", **labels,
-                  http_response_status_code="200") == 1
-    assert _value(metrics, "llmgw_time_to_first_token_seconds_count", **labels) == 1
+    assert _value(metrics, "gen_ai_client_operation_duration_seconds_sum", **labels,
+                  http_response_status_code="200") == 0.5
+    assert abs(_value(metrics, "llmgw_time_to_first_token_seconds_sum", **labels) - 0.04) < 1e-9
     assert abs(_value(metrics, "llmgw_usage_cost_usd_total", gen_ai_request_model="llama", llmgw_tenant="team-a")
-               - (100 * 1.0 + 50 * 2.0) / 1e6) < 1e-12
+               - (12 * 1.0 + 50 * 2.0) / 1e6) < 1e-12
     assert _value(metrics, "llmgw_usage_estimated_total", gen_ai_request_model="llama") == 1
 
 
@@ -50,8 +50,11 @@ def test_sync_copies_store_counters_as_deltas() -> None:
 
 def test_rejections_by_status_and_code() -> None:
     metrics = GatewayMetrics()
-    metrics.record_rejection(429, "rate_limit_exceeded")
-    metrics.record_rejection(429, "rate_limit_exceeded")
-    metrics.record_rejection(402, "insufficient_quota")
+    decision = make_decision()
+    for status, code in ((429, "rate_limit_exceeded"), (429, "rate_limit_exceeded"), (402, "insufficient_quota")):
+        metrics.record(rejection(decision, status, code, decision.started_ns))
     assert _value(metrics, "llmgw_rejections_total", http_response_status_code="429",
                   error_code="rate_limit_exceeded") == 2
+    assert _value(metrics, "gen_ai_client_operation_duration_seconds_count", gen_ai_operation_name="chat",
+                  gen_ai_request_model="llama-3-8b-instruct", llmgw_tenant="team-a",
+                  http_response_status_code="429") == 0  # refusals are not durations of served requests

@@ -28,7 +28,7 @@ def stub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[pb_grpc.ExternalP
     config = Path(run_dir) / "config.yaml"
     config.write_text(yaml.safe_dump(CONFIG))
     group = ProcessGroup(Path(run_dir))
-    child = group.spawn("extproc", [sys.executable, "-m", "extproc.server", "--config", str(config), "--port", "0",
+    child = group.spawn("extproc", [sys.executable, "-m", "extproc.app", "--config", str(config), "--port", "0",
                                     "--log-level", "CRITICAL"], env={"POOL_KEY": "k"})
     address = group.wait_ready_line(child, 20)
     channel = grpc.insecure_channel(address)
@@ -97,9 +97,9 @@ header_maps = st.fixed_dictionaries(
 def message(draw: st.DrawFn) -> pb.ProcessingRequest:
     phase = draw(phases)
     eos = draw(st.booleans())
-    observe = draw(st.booleans())
+    observe = draw(st.booleans())  # not special: only Envoy's observability-mode filters set it
     if phase.endswith("headers"):
-        headers = request_headers(draw(header_maps), eos, observe).request_headers
+        headers = request_headers(draw(header_maps), eos).request_headers
         return pb.ProcessingRequest(**{phase: headers}, observability_mode=observe)
     if phase.endswith("body"):
         return pb.ProcessingRequest(**{phase: pb.HttpBody(body=draw(bodies), end_of_stream=eos)},
@@ -107,17 +107,54 @@ def message(draw: st.DrawFn) -> pb.ProcessingRequest:
     return pb.ProcessingRequest(**{phase: pb.HttpTrailers()}, observability_mode=observe)
 
 
+def _decides(message: pb.ProcessingRequest, response: pb.ProcessingResponse) -> bool:
+    """The request is decided by this answer: refused or answered (an ImmediateResponse), or
+    forwarded whole (headers without a body, the whole body, the trailers)."""
+    if response.HasField("immediate_response"):
+        return True
+    kind = message.WhichOneof("request")
+    if kind in ("request_headers", "request_body"):
+        return getattr(message, kind).end_of_stream
+    return kind == "request_trailers"
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sequence=st.lists(message(), max_size=6))
 def test_any_message_order_is_answered_or_refused_cleanly(stub: pb_grpc.ExternalProcessorStub,
                                                          sequence: list[pb.ProcessingRequest]) -> None:
     responses = _run(stub, sequence)
-    assert len(responses) <= sum(not m.observability_mode for m in sequence)  # the observer is never answered
-    for response in responses:
-        assert response.WhichOneof("response") is not None
+    assert len(responses) <= len(sequence)
+    for i, (sent, response) in enumerate(zip(sequence, responses, strict=False)):
+        kind = response.WhichOneof("response")
+        assert kind in (sent.WhichOneof("request"), "immediate_response")  # each message answered in turn
+        assert not kind.startswith("response_")  # the stream ends before any response phase
+        if _decides(sent, response):
+            assert i == len(responses) - 1  # the stream ends with the decision
+
+
+CHAT = b'{"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}'
+
+
+@pytest.mark.parametrize(
+    ("sequence", "answered"),
+    [
+        pytest.param([request_headers({":method": "GET", ":path": "/v1/models"}, True), request_body(CHAT)],
+                     ["immediate_response"], id="answered-then-nothing"),
+        pytest.param([request_headers(post_headers()), request_body(CHAT),
+                      pb.ProcessingRequest(response_headers=pb.HttpHeaders())],
+                     ["request_headers", "request_body"], id="forwarded-body-then-nothing"),
+        pytest.param([request_headers(post_headers()), request_body(CHAT, end_of_stream=False),
+                      pb.ProcessingRequest(request_trailers=pb.HttpTrailers()),
+                      pb.ProcessingRequest(response_headers=pb.HttpHeaders())],
+                     ["request_headers", "request_body", "request_trailers"], id="trailers-end-the-stream"),
+    ],
+)
+def test_the_stream_ends_with_the_decision(stub: pb_grpc.ExternalProcessorStub,
+                                           sequence: list[pb.ProcessingRequest], answered: list[str]) -> None:
+    # Messages after the decision are never read: the server has closed the stream (not an error).
+    assert [r.WhichOneof("response") for r in _run(stub, sequence)] == answered
 
 
 def test_server_still_serves_after_the_storm(stub: pb_grpc.ExternalProcessorStub) -> None:
-    body = b'{"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}'
-    responses = _run(stub, [request_headers(post_headers()), request_body(body)])
+    responses = _run(stub, [request_headers(post_headers()), request_body(CHAT)])
     assert responses[1].request_body.response.clear_route_cache

@@ -1,5 +1,5 @@
-"""Streams ask the pod for their usage: ``_route`` adds ``stream_options.include_usage`` and marks the
-request for Envoy's Lua filter, which drops the usage chunk the client did not ask for."""
+"""Streams ask the pod for their usage: the body analysis adds ``stream_options.include_usage`` and the
+router marks the request for Envoy's Lua filter, which drops the usage chunk the client did not ask for."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import orjson
 import pytest
 
 from extproc.decisions import Continue
-from extproc.gateway import STRIP_USAGE_HEADER, Gateway
+from extproc.gateway import Gateway
+from extproc.routing.decision import STRIP_USAGE_HEADER
 from extproc.routing.picker import LeastInFlight
 from tests.helpers import deterministic_id_source, make_config, post_headers
 

@@ -1,8 +1,8 @@
 """The extproc process's Prometheus metrics, named after the OpenTelemetry GenAI semantic conventions
 where one exists (``gen_ai.client.token.usage`` -> ``gen_ai_client_token_usage``), ``llmgw_*`` else.
 
-Each request is recorded once, when the observer sees its response end (``record_response``), or
-when the gateway answers it itself (``record_rejection``). Quota-store and ledger health is copied
+Each request is recorded once, from its ``RequestRecord`` (``record``): when its access-log entry
+is settled, or when the gateway answers it itself. Quota-store and ledger health is copied
 from their counters once a second (``sync``), so neither needs to know about Prometheus.
 
 Several worker processes: the launcher points ``PROMETHEUS_MULTIPROC_DIR`` at a directory of the
@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client import multiprocess
 
 from extproc.ledger import LedgerSink, RedisLedger
-from extproc.observer import ResponseObservation, Usage
+from extproc.accounting import REJECTED, RequestRecord
 from extproc.quota import FallbackStats
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -29,7 +29,6 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
 DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
-OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion", "/v1/embeddings": "embeddings"}
 
 
 class GatewayMetrics:
@@ -46,7 +45,7 @@ class GatewayMetrics:
             "Request duration from the gateway to the end of the response (gen_ai.client.operation.duration)",
             (*labels, "http_response_status_code"), buckets=DURATION_BUCKETS, registry=self.registry)
         self.time_to_first_token = Histogram(
-            "llmgw_time_to_first_token_seconds", "Time to the first byte of a streamed response",
+            "llmgw_time_to_first_token_seconds", "Time to the first generated content of a streamed response",
             labels, buckets=TTFT_BUCKETS, registry=self.registry)
         self.cost = Counter("llmgw_usage_cost_usd", "Cost of the usage at the models' prices (US dollars)",
                             ("gen_ai_request_model", "llmgw_tenant"), registry=self.registry)
@@ -64,31 +63,32 @@ class GatewayMetrics:
                                     "(Redis unreachable)", registry=self.registry, multiprocess_mode="max")
         self.ledger_buffered = Gauge("llmgw_ledger_buffered_records", "Usage records waiting for Redis",
                                      registry=self.registry, multiprocess_mode="livesum")
+        self.unsettled = Counter("llmgw_requests_unsettled", "Forwarded requests whose access-log entry never "
+                                 "reached this worker (settled elsewhere, or missed: leases expire by TTL)",
+                                 registry=self.registry)
         self.ledger_dropped = Counter("llmgw_ledger_dropped_records", "Usage records lost to a full buffer",
                                       registry=self.registry)
         self._seen = FallbackStats()
         self._dropped = 0
 
-    def record_response(self, observation: ResponseObservation, usage: Usage | None, estimated: bool) -> None:
-        """One finished (or abandoned) response, as the observer saw it."""
-        labels = (OPERATIONS.get(observation.path, "other"), observation.model or "unknown", observation.tenant)
-        end = observation.finished_at
-        if end is not None and observation.started:
-            self.duration.labels(*labels, str(observation.status)).observe(end - observation.started)
-        if observation.first_byte_at is not None and observation.streamed:
-            self.time_to_first_token.labels(*labels).observe(observation.first_byte_at - observation.started)
+    def record(self, record: RequestRecord) -> None:
+        """One finished request: served (duration, TTFT, tokens, cost) or answered by the gateway."""
+        if record.kind == REJECTED:
+            self.rejections.labels(str(record.status), record.error or "").inc()
+            return
+        d = record.decision
+        labels = (record.operation, d.served_model or "unknown", d.tenant)
+        self.duration.labels(*labels, str(record.status)).observe(record.duration_ms / 1000)
+        if record.ttft_ms is not None and d.stream:
+            self.time_to_first_token.labels(*labels).observe(record.ttft_ms / 1000)
+        usage = record.usage
         if usage is not None:
             self.token_usage.labels(*labels, "input").observe(usage.input_tokens)
             self.token_usage.labels(*labels, "output").observe(usage.output_tokens)
-            if observation.prices is not None:
-                cost = observation.prices.cost(usage.input_tokens, usage.output_tokens, usage.cached_tokens)
-                self.cost.labels(labels[1], labels[2]).inc(cost)
-            if estimated:
+            if record.cost_usd:
+                self.cost.labels(labels[1], labels[2]).inc(record.cost_usd)
+            if record.usage_estimated:
                 self.estimated.labels(labels[1]).inc()
-
-    def record_rejection(self, status: int, code: str | None) -> None:
-        """A request the gateway answered itself (4xx, 429, 402, 503)."""
-        self.rejections.labels(str(status), code or "").inc()
 
     def sync(self, stats: FallbackStats | None, ledger: LedgerSink | None) -> None:
         """Copy the quota store's and the ledger's own counters (called once a second)."""

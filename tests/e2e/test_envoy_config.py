@@ -37,13 +37,20 @@ def test_render_refuses_a_config_without_the_named_listener(tmp_path: Path) -> N
         envoyconf.render(source, listen_port=1, extproc_port=2, admin_port=3)
 
 
-def test_usage_strip_filter_sits_between_the_decision_and_the_observer() -> None:
-    # Responses run the filters in reverse: the observer must see the usage chunk the Lua filter drops.
-    rendered = envoyconf.render(ROOT / "envoy" / "envoy.yaml", listen_port=1, extproc_port=2, admin_port=3)
+def test_filters_decide_then_read_the_response_then_route() -> None:
+    rendered = envoyconf.render(ROOT / "envoy" / "envoy.yaml", listen_port=1, extproc_port=2, admin_port=3,
+                                access_log_flush_s=20)
     listener = rendered["static_resources"]["listeners"][0]
-    filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
-    # Request bodies are decoded (gzip, br, zstd) before extproc reads them.
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    filters = manager["http_filters"]
+    # Request bodies are decoded (gzip, br, zstd) before extproc reads them; no second ext_proc filter:
+    # the response is read by Envoy itself (Lua), never streamed to Python.
     assert [f["typed_config"]["@type"].rpartition(".")[2] for f in filters] == [
-        "Decompressor", "Decompressor", "Decompressor", "ExternalProcessor", "Lua", "ExternalProcessor", "Router"]
-    assert filters[5]["typed_config"]["observability_mode"] is True
+        "Decompressor", "Decompressor", "Decompressor", "ExternalProcessor", "Lua", "Router"]
+    assert filters[3]["typed_config"]["metadata_options"]["receiving_namespaces"]["untyped"] == ["llmgw"]
     assert "x-llmgw-strip-usage" in filters[4]["typed_config"]["default_source_code"]["inline_string"]
+    # One access-log entry per request extproc decided on goes back to it; in-flight ones every 20 s.
+    grpc_log = next(a for a in manager["access_log"] if a["name"] == "envoy.access_loggers.http_grpc")
+    assert grpc_log["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] == "llmgw_extproc"
+    assert grpc_log["filter"]["metadata_filter"]["matcher"]["filter"] == "llmgw"
+    assert manager["access_log_options"]["access_log_flush_interval"] == "20s"

@@ -270,7 +270,7 @@ def test_body_without_usage_chunk_still_streams(http: httpx.Client) -> None:
 
 
 def access_record(stack: StackInfo, request_id: str, timeout: float = 5.0) -> dict[str, object]:
-    """The observer's access record for a request, from the extproc workers' logs."""
+    """The JSON access record of a request (written by whichever worker settled it), from the logs."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for log in stack.log_dir.glob("extproc-*.log"):
@@ -282,7 +282,7 @@ def access_record(stack: StackInfo, request_id: str, timeout: float = 5.0) -> di
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-def test_observer_records_usage_and_route(stack: StackInfo, client: openai.OpenAI, stream: bool) -> None:
+def test_access_log_records_usage_and_route(stack: StackInfo, client: openai.OpenAI, stream: bool) -> None:
     request_id = f"obs-{uuid.uuid4()}"
     kwargs = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
     response = client.chat.completions.create(model=ALIAS, messages=HELLO, max_tokens=7, seed=1,
@@ -291,7 +291,8 @@ def test_observer_records_usage_and_route(stack: StackInfo, client: openai.OpenA
     record = access_record(stack, request_id)
     assert record["gen_ai.usage.input_tokens"] == usage.prompt_tokens
     assert record["gen_ai.usage.output_tokens"] == usage.completion_tokens
-    assert record["gen_ai.request.model"] == MODEL and record["llmgw.pool"] == "local"
+    assert record["gen_ai.request.model"] == ALIAS and record["gen_ai.response.model"] == MODEL
+    assert record["llmgw.pool"] == "local" and record["llmgw.kind"] == "served"
     destination = pod_request_with_id(stack, request_id)["headers"]["x-gateway-destination-endpoint"]  # type: ignore[index]
     assert record["server.address"] == destination.split(",")[0]  # the pick (a fallback follows it)
     assert record["llmgw.stream"] is stream and record["llmgw.complete"] is True

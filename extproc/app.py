@@ -1,0 +1,215 @@
+"""Wiring: one extproc worker process. Builds the stores, the ledger, metrics, tracing, the gateway
+and both gRPC services (ext_proc and the access-log service, on one port), then runs the
+background loops (config and key reloads, pod probes, stats) until SIGTERM.
+
+    python -m extproc.app --config llmgw.yaml [--port 50051]   (``llmgw serve`` starts several)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+from envoy.service.accesslog.v3 import als_pb2_grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from extproc.accesslog import AccessLogReceiver
+from extproc.config import LEDGER_PATH_ENV, QUOTA_PATH_ENV, ConfigError, GatewayConfig, load_config
+from extproc.gateway import Gateway
+from extproc.keys import RedisKeyTable
+from extproc.ledger import FileLedger, LedgerSink, RedisLedger
+from extproc.offload import BodyAnalyzer
+from extproc.quota import FallbackStore, MemoryStore, OnStoreError, QuotaStore
+from extproc.quota.redis_store import RedisStore
+from extproc.routing.picker import LeastInFlight
+from extproc.routing.probe import probe_forever
+from extproc.server import ExternalProcessor
+from extproc.sinks import Settlement
+from extproc.telemetry.metrics import MULTIPROC_ENV, GatewayMetrics, serve_metrics
+from extproc.telemetry.tracing import RequestTracer, Sampler
+
+log = logging.getLogger("llmgw.extproc")
+ENVOY_BUFFER_LIMIT = 32 * 1024 * 1024
+RELOAD_INTERVAL_S = 2.0
+HOUSEKEEPING_S = 5.0
+
+
+def build_store(config: GatewayConfig) -> QuotaStore:
+    """Redis (with the node's SQLite store behind it when Redis is away), or the SQLite store alone.
+
+    The SQLite file (``quota.local_path``, else ``$LLMGW_QUOTA_PATH``) is shared by the node's
+    worker processes, so limits hold across them without Redis; with neither, each process counts
+    alone (one worker then, or limits multiply).
+    """
+    quota = config.quota
+    path = quota.local_path or os.environ.get(QUOTA_PATH_ENV)
+    if path is None and (config.server.workers or os.cpu_count() or 1) > 1 and config.auth_required:
+        log.warning("no quota.local_path nor %s: each extproc process enforces limits alone", QUOTA_PATH_ENV)
+    local = MemoryStore(path, lease_ttl_s=quota.lease_ttl_s)
+    if config.redis_url is None:
+        return local
+    primary = RedisStore.from_url(config.redis_url, lease_ttl_s=quota.lease_ttl_s)
+    return FallbackStore(primary, local, OnStoreError(quota.on_store_error), replicas=quota.replicas)
+
+
+def build_ledger(config: GatewayConfig) -> LedgerSink | None:
+    """The Redis Stream ledger with ``redis_url``, else the node's JSON-lines file, else none (said loudly)."""
+    if config.redis_url is not None:
+        return RedisLedger.from_url(config.redis_url)
+    path = os.environ.get(LEDGER_PATH_ENV)
+    if path is None:
+        log.warning("no redis_url nor %s: the usage ledger is off", LEDGER_PATH_ENV)
+        return None
+    return FileLedger(path)
+
+
+def build_tracing(config: GatewayConfig) -> tuple[RequestTracer | None, Sampler | None]:
+    """The span exporter and the sampler extproc decides with (None, None when tracing is off)."""
+    if not config.tracing.enabled:
+        return None, None
+    return RequestTracer.from_config(config.tracing), Sampler.from_config(config.tracing)
+
+
+def build_server(config: GatewayConfig, gateway: Gateway, store: QuotaStore, settlement: Settlement,
+                 analyzer: BodyAnalyzer | None = None) -> tuple[grpc.aio.Server, AccessLogReceiver]:
+    """A grpc.aio server carrying both services; messages as large as Envoy may buffer."""
+    # At least what Envoy may buffer (per_connection_buffer_limit_bytes in envoy.yaml), so that an
+    # oversize chunked body reaches the gateway and gets an OpenAI-style 413, not a gRPC error.
+    limit = max(config.max_body_bytes, ENVOY_BUFFER_LIMIT) + (1 << 20)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 1),  # one process per core shares the port
+            ("grpc.max_concurrent_streams", 10000),
+        ]
+    )
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(gateway, store, settlement, analyzer), server)
+    receiver = AccessLogReceiver(settlement)
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(receiver, server)
+    return server, receiver
+
+
+async def watch_config(path: Path, gateway: Gateway, interval: float = RELOAD_INTERVAL_S) -> None:
+    """Reload the config when its file changes (a revoked key stops working within ``interval``).
+
+    A file that no longer validates is refused with an error and the running snapshot is kept.
+    """
+    seen = path.stat().st_mtime_ns
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            mtime = path.stat().st_mtime_ns
+            if mtime == seen:
+                continue
+            seen = mtime
+            gateway.reload(load_config(path))
+            log.info("config reloaded from %s", path)
+        except (OSError, ConfigError) as error:
+            log.error("config reload refused, keeping the running config: %s", error)
+
+
+async def housekeeping(gateway: Gateway, settlement: Settlement, metrics: GatewayMetrics, store: QuotaStore,
+                       ledger: LedgerSink | None) -> None:
+    """Once a second: copy the quota store's and the ledger's counters into the metrics; every few
+    seconds, report the requests decided here whose access-log entries never came."""
+    stats = store.stats if isinstance(store, FallbackStore) else None
+    last_sweep = time.monotonic()
+    while True:
+        metrics.sync(stats, ledger)
+        if time.monotonic() - last_sweep >= HOUSEKEEPING_S:
+            settlement.unsettled(gateway.router.forget_stale())
+            last_sweep = time.monotonic()
+        await asyncio.sleep(1.0)
+
+
+async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[int], None],
+                config_path: Path | None = None, metrics_port: int | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then drain streams for up to 5 s; reload ``config_path`` on change.
+
+    Metrics go to ``$PROMETHEUS_MULTIPROC_DIR`` (the launcher serves the node's sum), or are
+    served here on ``metrics_port``.
+    """
+    tracer, sampler = build_tracing(config)
+    gateway = Gateway(config, LeastInFlight(), sampler=sampler)
+    store, ledger, metrics = build_store(config), build_ledger(config), GatewayMetrics()
+    if metrics_port is not None and not os.environ.get(MULTIPROC_ENV):
+        serve_metrics(metrics_port, host, registry=metrics.registry)
+    settlement = Settlement(gateway, store, ledger, metrics, tracer)
+    analyzer = BodyAnalyzer()
+    server, _ = build_server(config, gateway, store, settlement, analyzer)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    ready(bound)
+    # The helper process for large bodies starts (~1 s of imports) while small ones are served.
+    warming = asyncio.create_task(analyzer.start())
+    prober = asyncio.create_task(probe_forever(lambda: gateway.config, gateway.health))
+    watcher = asyncio.create_task(watch_config(config_path, gateway)) if config_path else None
+    # Keys stored in Redis: each process polls the table's version (1 s) and swaps in a snapshot,
+    # so lookups never wait on Redis and a revoked key stops working within about a second.
+    key_table = RedisKeyTable.from_url(config.redis_url) if config.redis_url else None
+    key_watcher = asyncio.create_task(key_table.watch(
+        gateway.set_redis_keys, config.keys.poll_s, max_stale_s=config.keys.max_stale_s)) if key_table else None
+    keeper = asyncio.create_task(housekeeping(gateway, settlement, metrics, store, ledger))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    for task in (watcher, key_watcher, keeper, prober, warming):
+        if task is not None:
+            task.cancel()
+    await server.stop(grace=5)  # Envoy's access-log streams end here: their last entries are settled
+    await settlement.drain()
+    analyzer.close()
+    if tracer is not None:
+        tracer.shutdown()
+    if key_table is not None:
+        await key_table.aclose()
+    if ledger is not None:
+        await ledger.close()  # flush what Redis can still take
+    await store.close()
+
+
+def configure_logging(level: str = "INFO") -> None:
+    """One line per record on stderr; access records are JSON."""
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m extproc.app``: one worker process (``llmgw serve`` starts several)."""
+    parser = argparse.ArgumentParser(prog="python -m extproc.app", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--host", default=None)
+    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--log-level", default=os.environ.get("LLMGW_LOG_LEVEL", "INFO"))
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus /metrics here (one worker; `llmgw serve` sums several)")
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    config = load_config(args.config)
+    host = args.host or config.server.host
+    port = config.server.port if args.port is None else args.port
+
+    def ready(bound: int) -> None:
+        print(f"READY {host}:{bound}", flush=True)
+
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(config, host, port, ready, Path(args.config), args.metrics_port))
+    else:
+        uvloop.run(serve(config, host, port, ready, Path(args.config), args.metrics_port))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,1 +1,0 @@
-"""Guards and caches: Bloom filter against penetration, response cache (later)."""

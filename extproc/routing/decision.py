@@ -1,0 +1,134 @@
+"""The routing decision: which pod of the model's pool serves a request, which one Envoy retries
+on, and the headers and metadata that carry the decision. Pure: no I/O.
+
+The decision travels with the request as Envoy dynamic metadata (``accounting.Decision``), so the
+access-log entry that ends the request brings it back to whichever worker settles it. The picker's
+count of requests in flight is this process's: a pick is released when the request's entry reaches
+this process, or forgotten after ``forget_after_s`` (its entry went to another worker, or nowhere).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+from extproc.accounting import Decision
+from extproc.decisions import Continue
+from extproc.routing.health import EndpointHealth
+from extproc.routing.picker import EndpointPicker
+from extproc.state import RequestState
+from extproc.telemetry.tracecontext import baggage
+from extproc.validation import DESTINATION_HEADER
+
+ROUTE_HEADER = "x-llmgw-route"
+MODEL_HEADER = "x-llmgw-model"
+POOL_HEADER = "x-llmgw-pool"
+TENANT_HEADER = "x-llmgw-tenant"
+ROUTE_DIRECT = "direct"
+RULE_MODEL = "model"  # the pool of the model the client named (routing rules come next)
+# Set on a request whose usage chunk the gateway asked for: the Lua filter of envoy/envoy.yaml
+# removes the header before the pod, and the chunk (`"choices":[]` with a `usage` object) before
+# the client. x-llmgw-* from a client is stripped first, so it cannot be forged.
+STRIP_USAGE_HEADER = "x-llmgw-strip-usage"
+METADATA_NAMESPACE = "llmgw"
+
+
+class Router:
+    """Picks endpoints (skipping unhealthy ones) and remembers its picks until their requests end."""
+
+    def __init__(self, picker: EndpointPicker, health: EndpointHealth, forget_after_s: float = 120.0) -> None:
+        self.picker = picker
+        self.health = health
+        self.forget_after_s = forget_after_s
+        # id -> (decision, deadline): what this process routed and has not seen end yet
+        self._picked: OrderedDict[str, tuple[Decision, float]] = OrderedDict()
+
+    def route(self, state: RequestState, qos_header: str) -> Continue:
+        """Pick the endpoint and a fallback for Envoy's one retry; set the routing headers, the
+        trace baggage, the new body (an alias, an added usage chunk) and the decision metadata."""
+        facts, model, trace = state.facts, state.model, state.trace
+        assert facts is not None and model is not None and trace is not None
+        usable = self.health.usable(model.pool.endpoints)
+        endpoint = state.endpoint = self.picker.pick(usable)
+        # Envoy's override_host policy tries the listed hosts in order, one per attempt: a pod that
+        # refuses the connection or resets before answering is retried once on the fallback.
+        fallback = self.picker.fallback(usable, endpoint)
+        destination = endpoint if fallback is None else f"{endpoint},{fallback}"
+        tenant = state.tenant.name if state.tenant is not None else ""
+        set_headers: list[tuple[str, str]] = [
+            (ROUTE_HEADER, ROUTE_DIRECT),
+            (DESTINATION_HEADER, destination),
+            (MODEL_HEADER, model.name),
+            (POOL_HEADER, model.pool.name),
+            # W3C baggage for the pod: the seeds' "trace colouring" (batch id joins when batching lands)
+            ("baggage", baggage(_baggage_items(state.request_id, model.version, tenant))),
+        ]
+        if tenant:
+            set_headers.append((TENANT_HEADER, tenant))
+            set_headers.append((qos_header, state.qos))
+        set_headers.extend(state.rate_headers)  # copied onto the response by Envoy (envoy.yaml)
+        if model.pool.credential:
+            set_headers.append(("authorization", f"Bearer {model.pool.credential}"))
+        if facts.strip_usage:  # exact usage for the ledger; Envoy's Lua filter drops the chunk
+            set_headers.append((STRIP_USAGE_HEADER, "1"))
+        new_body, state.new_body = state.new_body, None
+        if new_body is not None:
+            set_headers.append(("content-length", str(len(new_body))))
+        state.end("route")
+        decision = decision_of(state, endpoint)
+        self._picked[state.id] = (decision, time.monotonic() + self.forget_after_s)
+        return Continue(set_headers=tuple(set_headers), body=new_body, clear_route_cache=True,
+                        metadata=((METADATA_NAMESPACE, decision.metadata()),))
+
+    def ended(self, record_id: str) -> None:
+        """The request ``record_id`` ended (its access-log entry came): its pick is released."""
+        picked = self._picked.pop(record_id, None)
+        if picked is not None:
+            self.picker.release(picked[0].endpoint)
+
+    def running(self, record_id: str) -> None:
+        """A periodic entry says the request still runs: keep its pick."""
+        picked = self._picked.get(record_id)
+        if picked is not None:
+            self._picked[record_id] = (picked[0], time.monotonic() + self.forget_after_s)
+            self._picked.move_to_end(record_id)
+
+    def forget_stale(self, now: float | None = None) -> list[Decision]:
+        """Release the picks whose entries never came here, and return their decisions: their
+        requests were settled by another worker, or never (the access-log stream was down)."""
+        now = time.monotonic() if now is None else now
+        stale = [decision for decision, deadline in self._picked.values() if deadline <= now]
+        for decision in stale:
+            self.ended(decision.id)
+        return stale
+
+    @property
+    def picks(self) -> int:
+        """Picks whose requests have not ended yet, as far as this process knows."""
+        return len(self._picked)
+
+
+def _baggage_items(request_id: str, version: str, tenant: str) -> list[tuple[str, str]]:
+    items = [("llmgw.request_id", request_id)]
+    if version:
+        items.append(("llmgw.model.version", version))
+    if tenant:
+        items.append(("llmgw.tenant", tenant))
+    return items
+
+
+def decision_of(state: RequestState, endpoint: str = "") -> Decision:
+    """The request's decision so far (a refused request has no pool nor endpoint)."""
+    facts, model, trace = state.facts, state.model, state.trace
+    return Decision(
+        id=state.id, request_id=state.request_id, started_ns=state.started_ns, path=state.path,
+        model=facts.model if facts is not None else "", served_model=model.name if model is not None else "",
+        model_version=model.version if model is not None else "", pool=model.pool.name if model is not None else "",
+        endpoint=endpoint, rule=RULE_MODEL if model is not None else "",
+        stream=facts.stream if facts is not None else False,
+        input_tokens=facts.input_tokens if facts is not None else 0,
+        max_tokens=facts.output_limit if facts is not None else None, n=facts.n if facts is not None else 1,
+        tenant=state.tenant.name if state.tenant is not None else "", qos=state.qos,
+        trace_id=trace.trace_id if trace else "", span_id=trace.span_id if trace else "",
+        parent_span_id=(trace.parent_span_id or "") if trace else "", sampled=state.sampled,
+        lease=state.lease, phases=tuple(state.phases))

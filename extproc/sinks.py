@@ -1,0 +1,150 @@
+"""Where a request's one record goes: quota settlement, the usage ledger, Prometheus metrics, the
+JSON access log and the trace span. Each sink takes the ``RequestRecord`` as it is.
+
+Settlement is idempotent: a record id seen before (a duplicated access-log entry) is dropped here,
+and across processes the quota store's release of a lease is a no-op the second time and ledger
+readers count a record id once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, Protocol
+
+import orjson
+
+from extproc.accounting import Decision, RequestRecord, ResponseFacts, build_record
+from extproc.ledger import LedgerSink, ledger_record, unsettled_record
+from extproc.quota import QuotaStore, StoreUnavailable
+from extproc.quota.limits import Lease
+
+if TYPE_CHECKING:
+    from extproc.gateway import Gateway
+    from extproc.telemetry.metrics import GatewayMetrics
+
+log = logging.getLogger("llmgw.settlement")
+access_log = logging.getLogger("llmgw.access")
+SEEN_LIMIT = 65536  # record ids remembered for deduplication (~5 MB at most)
+
+
+class SpanSink(Protocol):
+    """Exports a record as a trace span (``extproc.telemetry.tracing.RequestTracer``)."""
+
+    def export(self, record: RequestRecord) -> None:
+        """Export ``record``'s span if it was sampled."""
+        ...
+
+
+class Settlement:
+    """Builds each finished request's record once and gives it to every sink."""
+
+    def __init__(self, gateway: Gateway, store: QuotaStore, ledger: LedgerSink | None = None,
+                 metrics: GatewayMetrics | None = None, tracer: SpanSink | None = None) -> None:
+        self.gateway = gateway
+        self.store = store
+        self.ledger = ledger
+        self.metrics = metrics
+        self.tracer = tracer
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.settled = 0
+        self.duplicates = 0
+        self.missed = 0
+
+    def finished(self, decision: Decision, response: ResponseFacts) -> RequestRecord | None:
+        """A forwarded request ended (Envoy's final access-log entry): settle it, once."""
+        if not self._first(decision.id):
+            self.duplicates += 1
+            return None
+        model = self.gateway.config.lookup(decision.served_model)
+        record = build_record(decision, response, model.prices if model is not None else None)
+        self.gateway.router.ended(decision.id)
+        if decision.endpoint and record.attempts > 1:
+            # Envoy needed a second attempt: the pod extproc picked failed this request.
+            backoff = self.gateway.health.attempt_failed(decision.endpoint)
+            log.warning("pod %s failed an attempt (retried elsewhere): no traffic for %.0f s", decision.endpoint,
+                        backoff)
+        elif decision.endpoint and record.upstream == decision.endpoint:
+            self.gateway.health.attempt_succeeded(decision.endpoint)
+        self.gateway.learn(record)
+        if decision.lease is not None:
+            tokens, cost = record.charge()
+            self._spawn(self.store.release(decision.lease, tokens, cost))
+        self._sinks(record, ledger=True)
+        self.settled += 1
+        return record
+
+    def rejected(self, record: RequestRecord) -> None:
+        """A request the gateway answered itself: metrics, access log and, for a known tenant, the
+        ledger (an unauthenticated request has nobody to bill)."""
+        self._sinks(record, ledger=bool(record.decision.tenant))
+
+    def unsettled(self, decisions: list[Decision]) -> None:
+        """Requests decided here whose access-log entry never came here: each gets a ledger mark
+        (readers drop it if another worker settled the request) and the count is logged once."""
+        fresh = [d for d in decisions if d.id not in self._seen]
+        if not fresh:
+            return
+        self.missed += len(fresh)
+        if self.metrics is not None:
+            self.metrics.unsettled.inc(len(fresh))
+        log.error("%d requests decided here got no access-log entry (Envoy's access-log stream to extproc "
+                  "may be down): their leases come back by TTL; the ledger marks them unsettled (first: %s)",
+                  len(fresh), fresh[0].request_id)
+        if self.ledger is not None:
+            for decision in fresh:
+                self._spawn(self.ledger.append(unsettled_record(decision)))
+
+    def release(self, lease: Lease) -> None:
+        """Give back a lease whose request failed inside the gateway (it never reached a pod)."""
+        self._spawn(self.store.release(lease))
+
+    def running(self, decision: Decision) -> None:
+        """A periodic entry: the request still runs; its lease is renewed for another TTL."""
+        self.gateway.router.running(decision.id)
+        if decision.lease is not None and decision.id not in self._seen:
+            self._spawn(self._renew(decision))
+
+    async def _renew(self, decision: Decision) -> None:
+        assert decision.lease is not None
+        try:
+            renewed = await self.store.renew(decision.lease)
+        except StoreUnavailable:
+            return  # the lease may lapse while the store is away; settling is still attempted
+        if renewed is None:
+            log.warning("lease of request %s expired before renewal", decision.request_id)
+
+    def _sinks(self, record: RequestRecord, ledger: bool) -> None:
+        if self.metrics is not None:
+            self.metrics.record(record)
+        if self.ledger is not None and ledger:
+            self._spawn(self.ledger.append(ledger_record(record)))
+        _log(record)
+        if self.tracer is not None:
+            self.tracer.export(record)
+
+    def _first(self, record_id: str) -> bool:
+        if record_id in self._seen:
+            return False
+        self._seen[record_id] = None
+        if len(self._seen) > SEEN_LIMIT:
+            self._seen.popitem(last=False)
+        return True
+
+    def _spawn(self, work: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)  # keep a reference until done (asyncio holds tasks weakly)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self) -> None:
+        """Wait for the sinks' writes in flight (at shutdown)."""
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _log(record: RequestRecord) -> None:
+    if access_log.isEnabledFor(logging.INFO):
+        access_log.info("%s", orjson.dumps(record.log_fields()).decode())
