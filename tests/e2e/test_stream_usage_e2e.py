@@ -195,9 +195,32 @@ def test_usage_event_cut_between_chunks_is_still_removed(scripted: StackInfo, po
     assert (record.input_tokens, record.output_tokens, record.usage_estimated) == (11, 5, False)
 
 
-def test_pod_that_ignores_include_usage_is_counted_from_the_text(scripted: StackInfo) -> None:
+def test_pod_that_ignores_include_usage_is_counted_from_its_events(scripted: StackInfo) -> None:
     request_id = f"ignored-{uuid.uuid4()}"
     events = _scripted_stream(scripted, request_id, **{"x-pod": "ignore"})
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == "".join(PIECES)
     record = ledger_record(scripted, request_id)
-    assert record.usage_estimated is True and record.output_tokens > 0
+    # One token per content event (Envoy's Lua filter counted them); the role and finish events hold none.
+    assert record.usage_estimated is True and record.output_tokens == len(PIECES)
+
+
+def test_a_stream_the_client_hangs_up_is_estimated_within_ten_percent(stack: StackInfo) -> None:
+    request_id = f"hangup-{uuid.uuid4()}"
+    body = {"model": MODEL, "messages": HELLO, "stream": True, "max_tokens": 2000, "ignore_eos": True}
+    received = 0
+    with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", json=body, timeout=30, headers={
+            "authorization": f"Bearer {TENANT_KEY}", "x-request-id": request_id}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {") and orjson.loads(line[6:])["choices"][0]["delta"].get("content"):
+                received += 1
+            if received == 120:
+                break  # hang up mid-generation: no usage chunk will ever come
+    record = ledger_record(stack, request_id)
+    plain = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=TENANT_KEY).chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=1)
+    assert record.usage_estimated and not record.complete
+    # Tokens Envoy forwarded (a few more may have been on their way when the client left) against the
+    # 120 the client read; the input counted by the model's own tokenizer, as the pod counts it.
+    assert 120 <= record.output_tokens <= 132, record
+    assert record.input_tokens == plain.usage.prompt_tokens
