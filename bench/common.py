@@ -115,6 +115,26 @@ class CpuMeter:
                 for name, pids in after.items()}
 
 
+def machine_busy_seconds() -> float:
+    """CPU time every core of the machine spent busy so far (user, nice, system, irq, softirq and
+    steal of /proc/stat), in seconds."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    return sum(int(fields[i]) for i in (0, 1, 2, 5, 6, 7)) / _TICKS
+
+
+def calibration_ms(repeats: int = 7) -> float:
+    """CPU milliseconds of a fixed pure-Python loop, median of ``repeats``: how fast this machine is
+    right now. A shared VM's speed drifts between runs, and every CPU figure drifts with it."""
+    times = []
+    for _ in range(repeats):
+        started = time.thread_time()
+        total = 0
+        for i in range(300_000):
+            total += i * i % 7
+        times.append((time.thread_time() - started) * 1000)
+    return round(statistics.median(times), 2)
+
+
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (0-100) by nearest rank."""
     ordered = sorted(values)

@@ -15,8 +15,11 @@ request with ``stream: true, max_tokens: 256`` answered by a paced pod that alwa
 tokens (``stream``), each at concurrency 1 and 32. Every client sends the same bytes (the tenant's
 key included). Rounds alternate the lanes; figures are medians. CPU is read per process
 (/proc schedstat): Envoy, each pod, the null server, each extproc worker and its children (the
-body-analysis helper). Prints one JSON line; writes bench/results/overhead.json and overhead.png
-(``--profile``: a py-spy speedscope of one ``full`` worker under streamed load, too).
+body-analysis helper), net of what each spends idle (measured before the rounds). A phase ends
+only once its lane's deferred work is done (observer streams close 5 s after their request, access
+logs and spans leave in batches), so that work counts for it and not for the next phase.
+Prints one JSON line; writes bench/results/overhead.json and overhead.png (``--profile``: a py-spy
+speedscope of one ``full`` worker under streamed load, too).
 
     python -m bench.overhead [--rounds 3] [--tracing] [--profile] [--quick]
 """
@@ -42,6 +45,7 @@ from typing import Any
 
 import orjson
 import yaml
+from rich.console import Console
 from rich.progress import Progress
 
 from bench.common import (
@@ -50,10 +54,13 @@ from bench.common import (
     RunResult,
     StreamRunResult,
     build_request,
+    calibration_ms,
     emit,
+    machine_busy_seconds,
     median,
     run_load,
     run_stream_load,
+    thread_cpu_ns,
 )
 from extproc import envoyconf
 from extproc.config import ConfigError, load_spec
@@ -83,6 +90,9 @@ TARGET_CPU_MS = {"bare": 0.6, "full": 1.0}  # extproc CPU per plain request at c
 TARGET_STREAM_RATIO = 1.1  # extproc CPU per streamed request / per plain request
 TARGET_ADDED_ENVOY_US_PER_CHUNK = 5.0  # Envoy CPU per streamed chunk, gateway minus Envoy alone
 TARGET_TRACING_RATIO = 1.25  # extproc CPU, tracing on / off, c=32
+# OpenTelemetry's BatchSpanProcessor exports every OTEL_BSP_SCHEDULE_DELAY ms (default 5000): spans
+# of a phase may leave that long after it, so the tracing lane waits that out too.
+SPAN_EXPORT_S = float(os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "5000")) / 1000
 
 
 def chat_body(size: int = 4096, *, model: str = MODEL, max_tokens: int = 1, stream: bool = False) -> bytes:
@@ -393,6 +403,8 @@ class Bench:
     profile_pid: int | None = None
     profile_path: Path | None = None
     samples: dict[tuple[str, str], list[Sample]] = field(default_factory=dict)
+    foreign_cpu_pct: float = 0.0  # of one core, during the rounds: what no process of the bench used
+    calibration_ms: tuple[float, float] = (0.0, 0.0)  # `calibration_ms` before and after the rounds
     idle_rate: dict[str, float] = field(default_factory=dict)  # CpuMeter name -> CPU seconds per second
     profile: dict[str, Any] | None = None
 
@@ -419,7 +431,7 @@ class Bench:
     async def run(self) -> None:
         """Warm every lane up, then alternate the lanes through every case, ``rounds`` times."""
         steps = len(self.lanes) * (1 + self.rounds * len(self.cases)) + (self.profile_pid is not None)
-        with Progress(transient=True) as progress:
+        with Progress(transient=True, console=Console(stderr=True)) as progress:  # stdout: the JSON line only
             task = progress.add_task("overhead", total=steps)
             for lane in self.lanes:  # connections, caches, JITs, the helper process
                 plain, streams = self.warmup
@@ -429,6 +441,10 @@ class Bench:
             progress.update(task, description="idle CPU of every process")
             await asyncio.sleep(max(lane.tail_s for lane in self.lanes))  # the warm-ups' tails
             await self.idle(self.idle_s)
+            # The rounds on a quiet machine: what the bench's processes (this one included) did not use.
+            calibrated = calibration_ms()
+            busy, mine = machine_busy_seconds(), self._own_cpu_s()
+            started = time.perf_counter()
             for round_ in range(self.rounds):
                 shift = round_ % len(self.lanes)
                 order = self.lanes[shift:] + self.lanes[:shift]
@@ -437,11 +453,19 @@ class Bench:
                         progress.update(task, description=f"round {round_ + 1}/{self.rounds} {case.name} {lane.name}")
                         self.samples.setdefault((lane.name, case.name), []).append(await self.measure(lane, case))
                         progress.advance(task)
+            foreign = machine_busy_seconds() - busy - (self._own_cpu_s() - mine)
+            self.foreign_cpu_pct = round(100 * foreign / (time.perf_counter() - started), 1)
+            self.calibration_ms = (calibrated, calibration_ms())
             if self.profile_pid is not None:
                 progress.update(task, description="py-spy on a full worker, stream_c32")
                 self.profile = await self.profiled(next(l for l in self.lanes if l.name == "full"),
                                                    next(c for c in self.cases if c.name == "stream_c32"))
                 progress.advance(task)
+
+    def _own_cpu_s(self) -> float:
+        """CPU seconds so far of every process of the bench: the measured ones and this client."""
+        counted = self.meter.read()
+        return (sum(sum(pids.values()) for pids in counted.values()) + thread_cpu_ns(os.getpid())) / 1e9
 
     async def idle(self, seconds: float) -> None:
         """What each process spends doing nothing asked of it (health probes, stats flushes), per second."""
@@ -541,7 +565,7 @@ def top_self_frames(path: Path, count: int = 10) -> dict[str, Any]:
 
 
 def summarize(bench: Bench) -> dict[str, Any]:
-    """Medians per lane and case, the CPU of every process, the derived figures and the targets."""
+    """Medians per lane and case: latency, TTFT and events of streams, CPU per request by process."""
     lanes = {lane.name: lane for lane in bench.lanes}
     out: dict[str, Any] = {}
     for (lane_name, case_name), runs in bench.samples.items():
@@ -554,8 +578,8 @@ def summarize(bench: Bench) -> dict[str, Any]:
             entry["ttft_p99_ms"] = median([r.first_event_p99_ms or 0.0 for r in runs])
             entry["sse_events_per_stream"] = median([r.events or 0.0 for r in runs])
         # Per process, ms per request: Envoy, the pod answering, what serves this lane alone
-        # (extproc workers and their children, or the null server), and everything else idle
-        # (health probes of the other lanes' workers, the other pod) as "background".
+        # (extproc workers and their children, or the null server), and the sum of all the others
+        # (the other lanes' servers, the other pod) as "background": ~0 when nothing leaked.
         names = sorted(runs[0].cpu_ms)
         own = [n for n in names if lane.own and n.startswith(lane.own)]
         if lane_name == "tracing":
@@ -831,7 +855,9 @@ def main() -> None:
             lanes = [Lane("envoy", ports.direct, "", tails["bench_direct"]),
                      Lane("null", ports.null, "null", tails["bench_null"]),
                      Lane("bare", int(info.base_url.rpartition(":")[2]), "extproc-bare-", tails[envoyconf.LISTENER]),
-                     *(Lane(n, policy_ports[n][0], f"extproc-{n}-", tails[f"bench_{n}"]) for n in policy_ports)]
+                     *(Lane(n, policy_ports[n][0], f"extproc-{n}-",
+                            max(tails[f"bench_{n}"], SPAN_EXPORT_S + 0.5 if n == "tracing" else 0.0))
+                       for n in policy_ports)]
             bench = Bench(lanes, cases, CpuMeter(pids), {"authorization": f"Bearer {key}"}, args.rounds,
                           (100, 8) if args.quick else (300, 16), 2.0 if args.quick else 3.0)
             if args.profile:
@@ -844,6 +870,12 @@ def main() -> None:
                 "ledger_records_full": _lines(run_dir / "full" / "usage.jsonl"),
                 "metrics_scrape_bytes_full": _scrape_bytes(f"http://127.0.0.1:{metrics.port}/metrics"),
                 "child_exits": [e.describe() for e in (*group.exits, *stack.group.exits)],
+                # Other work on the machine during the rounds (tests, builds): above a few % of a
+                # core the figures are not comparable to a quiet run's.
+                "foreign_cpu_pct_of_a_core": bench.foreign_cpu_pct,
+                # The machine's speed before and after the rounds (bench.common.calibration_ms):
+                # compare runs' CPU figures in these units when it differs.
+                "calibration_ms": bench.calibration_ms,
             }
             if "otlp-sink" in pids and "tracing" in configs:
                 checks["otlp_received"] = _get_json(f"http://{sink}/stats")

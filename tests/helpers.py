@@ -45,12 +45,10 @@ def header_map(headers: dict[str, str]) -> HeaderMap:
     return HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()])
 
 
-def request_headers(headers: dict[str, str], end_of_stream: bool = False, observe: bool = False) -> pb.ProcessingRequest:
+def request_headers(headers: dict[str, str], end_of_stream: bool = False) -> pb.ProcessingRequest:
     """A request_headers ProcessingRequest."""
     return pb.ProcessingRequest(
-        request_headers=pb.HttpHeaders(headers=header_map(headers), end_of_stream=end_of_stream),
-        observability_mode=observe,
-    )
+        request_headers=pb.HttpHeaders(headers=header_map(headers), end_of_stream=end_of_stream))
 
 
 def request_body(body: bytes, end_of_stream: bool = True) -> pb.ProcessingRequest:

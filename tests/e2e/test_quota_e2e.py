@@ -49,8 +49,8 @@ def test_concurrency_slot_is_released_when_the_client_hangs_up(stack: StackInfo)
         assert busy.status_code == 429
         assert "concurrent requests" in busy.json()["error"]["message"]
     # (leaving the block hung up mid-stream)
-    assert _eventually_admitted(stack, SOLO_KEY) < 2.0  # within the settle grace, not the 60 s lease TTL
-    # A finished request gives its slot back as the observer sees the response end (asynchronously,
+    assert _eventually_admitted(stack, SOLO_KEY) < 2.0  # from its access-log entry, not the 60 s lease TTL
+    # A finished request gives its slot back when its access-log entry is settled (asynchronously,
     # so a request sent the same instant may still meet it held).
     assert _eventually_admitted(stack, SOLO_KEY) < 2.0
 

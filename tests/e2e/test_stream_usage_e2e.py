@@ -30,8 +30,7 @@ def client(stack: StackInfo) -> openai.OpenAI:
 
 
 def ledger_record(stack: StackInfo, request_id: str, timeout: float = 10.0) -> UsageRecord:
-    # Usually there in milliseconds; generous for a loaded machine, and past the observer's
-    # deferred_close_timeout (5 s) should Envoy ever end its stream only then.
+    # Usually there in milliseconds (the access-log entry is sent at once); generous for a loaded machine.
     deadline = time.monotonic() + timeout
     while not (found := [r for r in read_file(stack.log_dir.parent / "usage.jsonl") if r.request_id == request_id]):
         assert time.monotonic() < deadline, f"no ledger record for {request_id}"
