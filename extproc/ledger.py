@@ -18,7 +18,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -62,8 +62,8 @@ class UsageRecord:
     error: str | None = None  # a rejection's error code (rate_limit_exceeded, model_not_found...)
 
     def to_json(self) -> bytes:
-        """The record as one JSON object."""
-        return orjson.dumps(asdict(self))
+        """The record as one JSON object (orjson serializes the dataclass natively: no asdict copy)."""
+        return orjson.dumps(self)
 
     @classmethod
     def from_json(cls, data: bytes | str) -> UsageRecord:
