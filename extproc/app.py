@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from envoy.service.accesslog.v3 import als_pb2_grpc
@@ -34,7 +35,9 @@ from extproc.routing.probe import probe_forever
 from extproc.server import ExternalProcessor
 from extproc.sinks import Settlement
 from extproc.telemetry.metrics import MULTIPROC_ENV, GatewayMetrics, serve_metrics
-from extproc.telemetry.tracing import RequestTracer, Sampler
+
+if TYPE_CHECKING:
+    from extproc.telemetry.tracing import RequestTracer, Sampler
 
 log = logging.getLogger("llmgw.extproc")
 ENVOY_BUFFER_LIMIT = 32 * 1024 * 1024
@@ -75,6 +78,8 @@ def build_tracing(config: GatewayConfig) -> tuple[RequestTracer | None, Sampler 
     """The span exporter and the sampler extproc decides with (None, None when tracing is off)."""
     if not config.tracing.enabled:
         return None, None
+    from extproc.telemetry.tracing import RequestTracer, Sampler  # the SDK is imported only when used
+
     return RequestTracer.from_config(config.tracing), Sampler.from_config(config.tracing)
 
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 import orjson
 
@@ -39,10 +40,22 @@ from extproc.routing.health import EndpointHealth
 from extproc.routing.picker import EndpointPicker
 from extproc.state import RequestState, new_state
 from extproc.telemetry.tracecontext import IdSource, continue_or_start, random_hex, request_id
-from extproc.telemetry.tracing import Sampler
 from extproc.tokens import BpeEstimator, TokenEstimator
 
 MODELS_PATH = "/v1/models"
+
+
+class TraceSampler(Protocol):
+    """Whether a request's span is exported, and the trace flags the pod gets
+    (``extproc.telemetry.tracing.Sampler``)."""
+
+    def sampled(self, trace_id_hex: str, parent_flags: str | None) -> bool:
+        """Export this trace's span? (the client's flags when it sent a traceparent, else None)"""
+        ...
+
+    def flags(self, trace_id_hex: str, parent_flags: str | None) -> str:
+        """The trace-flags for the pod's traceparent."""
+        ...
 
 
 class Gateway:
@@ -50,7 +63,7 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig, picker: EndpointPicker, new_id: IdSource = random_hex,
                  predictor: OutputLengthPredictor | None = None,
-                 health: EndpointHealth | None = None, sampler: Sampler | None = None) -> None:
+                 health: EndpointHealth | None = None, sampler: TraceSampler | None = None) -> None:
         self.router = Router(picker, health or EndpointHealth())
         self.health = self.router.health
         self._new_id = new_id
