@@ -6,14 +6,21 @@ PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
 .PHONY: up test unit e2e bench validate clean
 
+# xds-protos ships an older copy of opentelemetry/proto/common/v1 (Envoy's API imports it); the
+# OTLP exporter needs opentelemetry-proto's own, so that package is installed again last.
+OTEL_PROTO = $(PIP) --force-reinstall --no-deps "opentelemetry-proto==$$($(PY) -c \
+	'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
+
 $(VENV)/.runtime: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip
 	$(PIP) -e .
+	$(OTEL_PROTO)
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.runtime
 	$(PIP) -e '.[dev]'
+	$(OTEL_PROTO)
 	touch $@
 
 up: $(VENV)/.runtime

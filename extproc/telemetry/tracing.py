@@ -11,7 +11,6 @@ Names follow the OpenTelemetry GenAI semantic conventions (``gen_ai.*``), ``llmg
 
 from __future__ import annotations
 
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -78,6 +77,11 @@ class RequestTracer:
     @classmethod
     def from_config(cls, tracing: Tracing) -> RequestTracer:
         """A tracer batching its spans to the OTLP/HTTP endpoint of a compiled ``tracing`` section."""
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        except ImportError as error:  # xds-protos installed last overwrites opentelemetry/proto/common
+            raise ImportError(f"the OTLP exporter cannot load ({error}): reinstall opentelemetry-proto after "
+                              "xds-protos (pip install --force-reinstall --no-deps opentelemetry-proto)") from error
         exporter = OTLPSpanExporter(endpoint=tracing.endpoint, headers=dict(tracing.headers),
                                     timeout=tracing.timeout_s)
         return cls(BatchSpanProcessor(exporter), tracing.service_name)
