@@ -171,7 +171,8 @@ def test_tokens_per_minute_is_exact_within_one_request(redis_and_stack) -> None:
         admitted += statuses[200]
         if not statuses[200]:
             break
-        time.sleep(0.3)  # access-log entries settle each request to its real usage
+        # Each admitted request is settled to its real usage (its ledger record is written then).
+        _until(lambda: len([r for r in _ledger(redis, "tpm") if str(r["request_id"]).startswith(tag)]) >= admitted)
     else:
         pytest.fail("the tokens-per-minute limit never refused")
     _until(lambda: len([r for r in _ledger(redis, "tpm") if str(r["request_id"]).startswith(tag)]) >= admitted)
