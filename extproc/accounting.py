@@ -71,6 +71,7 @@ class Decision:
     def metadata(self) -> dict[str, object]:
         """The decision as a JSON-able mapping for ``ProcessingResponse.dynamic_metadata``."""
         out: dict[str, object] = {
+            # started_ns as text: a Struct number is a double, which would round epoch nanoseconds
             "id": self.id, "request_id": self.request_id, "started_ns": str(self.started_ns), "path": self.path,
             "model": self.model, "served_model": self.served_model, "model_version": self.model_version,
             "pool": self.pool, "endpoint": self.endpoint, "rule": self.rule, "stream": self.stream,

@@ -78,7 +78,7 @@ class Gateway:
 
         Tokenizers are loaded here (once per file, kept across reloads), never on a request.
         """
-        loaded = {path: counter for path, counter in getattr(self, "_loaded", {}).items()}
+        loaded: dict[Path, TokenEstimator] = getattr(self, "_loaded", {})
         self._loaded: dict[Path, TokenEstimator] = {
             m.tokenizer: loaded.get(m.tokenizer) or BpeEstimator.from_spec(str(m.tokenizer))
             for m in config.models if m.tokenizer is not None}

@@ -85,17 +85,16 @@ class Settlement:
     def unsettled(self, decisions: list[Decision]) -> None:
         """Requests decided here whose access-log entry never came here: each gets a ledger mark
         (readers drop it if another worker settled the request) and the count is logged once."""
-        fresh = [d for d in decisions if d.id not in self._seen]
-        if not fresh:
+        if not decisions:
             return
-        self.missed += len(fresh)
+        self.missed += len(decisions)
         if self.metrics is not None:
-            self.metrics.unsettled.inc(len(fresh))
+            self.metrics.unsettled.inc(len(decisions))
         log.error("%d requests decided here got no access-log entry (Envoy's access-log stream to extproc "
                   "may be down): their leases come back by TTL; the ledger marks them unsettled (first: %s)",
-                  len(fresh), fresh[0].request_id)
+                  len(decisions), decisions[0].request_id)
         if self.ledger is not None:
-            for decision in fresh:
+            for decision in decisions:
                 self._spawn(self.ledger.append(unsettled_record(decision)))
 
     def release(self, lease: Lease) -> None:
