@@ -19,6 +19,8 @@ from typing import Any
 
 import orjson
 from extproc.api import ApiError, EmbeddingRequest, Operation, ParsedRequest, load_object, validate
+from extproc.routing.features import PromptFeatures, extract
+from extproc.routing.rules import RouteContext, Rule, choose
 from extproc.tokens import FallbackEstimator, TokenEstimator
 
 
@@ -46,22 +48,53 @@ class BodyFacts:
     embedding: bool
     input_tokens: int  # the estimator's count, for reservations and streams without usage
     strip_usage: bool  # include_usage was added for the ledger; Envoy's Lua filter drops the chunk
+    features: PromptFeatures = PromptFeatures()
+    rule: str = ""  # the routing rule that chose ``served`` ("": the model the client named)
+    pool: str | None = None  # the rule's pool (None: the served model's own)
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """What rule routing needs besides the body: the rules, and who asks (picklable, for the helper)."""
+
+    rules: tuple[Rule, ...] = ()
+    tenant_tags: tuple[tuple[str, str], ...] = ()
+    qos: str = ""
+
+
+NO_RULES = Routing()
 
 
 def analyze(operation: Operation, body: bytes, served_names: Mapping[str, str], limits: BodyLimits,
-            estimators: Mapping[str, TokenEstimator] | None = None) -> tuple[BodyFacts, bytes | None]:
+            estimators: Mapping[str, TokenEstimator] | None = None, routing: Routing = NO_RULES
+            ) -> tuple[BodyFacts, bytes | None]:
     """Parse, bound, validate and estimate ``body``: its facts, and the body to forward when it
     changed (else None: forward it as is). Raises ``ApiError`` (400) for a bad one.
 
     ``served_names`` maps every name a client may use (canonical names and aliases) to the name
     pods serve; a model missing from it is reported as ``served=None`` (the caller answers 404).
     ``estimators`` counts a served model's input with its own tokenizer; others get a heuristic.
+    ``routing``'s rules may choose another served model (and pool) from the body's features.
     """
     raw = load_object(body)
     check_structure(raw, limits)
     parsed = validate(operation, raw)
     request = parsed.model
     served = served_names.get(request.model)
+    stream = bool(getattr(request, "stream", False))
+    counters = estimators or {}
+    input_tokens = (counters.get(served or "") or _FALLBACK).estimate(parsed).total
+    features = extract(raw)
+    rule, pool = "", None
+    if routing.rules:
+        context = RouteContext(request.model, features, stream, request.output_limit, input_tokens,
+                               dict(routing.tenant_tags), routing.qos)
+        chosen = choose(routing.rules, context).rule
+        if chosen is not None:
+            rule, pool = chosen.name, chosen.pool
+            if chosen.model != served:
+                served = chosen.model
+                input_tokens = (counters.get(served) or _FALLBACK).estimate(parsed).total
     strip_usage = needs_usage_chunk(parsed)
     changed = False
     if served is not None and served != request.model:  # an alias: pods know the served name
@@ -71,10 +104,10 @@ def analyze(operation: Operation, body: bytes, served_names: Mapping[str, str], 
         raw["stream_options"] = {**(raw.get("stream_options") or {}), "include_usage": True}
         changed = True
     facts = BodyFacts(
-        model=request.model, served=served, stream=bool(getattr(request, "stream", False)),
-        n=getattr(request, "n", None) or 1, output_limit=request.output_limit,
-        embedding=isinstance(request, EmbeddingRequest), input_tokens=((estimators or {}).get(served or "") or _FALLBACK).estimate(parsed).total,
-        strip_usage=strip_usage and served is not None,
+        model=request.model, served=served, stream=stream, n=getattr(request, "n", None) or 1,
+        output_limit=request.output_limit, embedding=isinstance(request, EmbeddingRequest),
+        input_tokens=input_tokens, strip_usage=strip_usage and served is not None, features=features,
+        rule=rule, pool=pool,
     )
     # Depth is bounded (max_depth < orjson's 254 levels), so dumps cannot raise here.
     return facts, (orjson.dumps(raw) if changed else None)

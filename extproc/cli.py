@@ -269,6 +269,45 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_route(args: argparse.Namespace) -> int:
+    """``llmgw route --explain FILE``: how a request body would be routed, and why."""
+    from extproc.api import ApiError
+    from extproc.routing.explain import explain
+
+    try:
+        spec = load_spec(args.config)
+        pools = [p.model_copy(update={"endpoints": p.endpoints or ["127.0.0.1:1"]}) for p in spec.pools]
+        env = {**os.environ, DEV_KEY_ENV: os.environ.get(DEV_KEY_ENV) or "unset"}
+        config = compile_spec(spec.model_copy(update={"pools": pools}), env=env)
+        body = sys.stdin.buffer.read() if args.explain == "-" else Path(args.explain).read_bytes()
+        result = explain(config, body, args.path, args.tenant, args.qos)
+    except (ConfigError, OSError) as error:
+        console.print(f"[red]{error}[/red]")
+        return 2
+    except KeyError as error:
+        console.print(f"[red]--tenant: no tenant named {error}[/red]")
+        return 2
+    except ApiError as error:
+        console.print(f"[red]the gateway would answer {error.status} {error.code}: {error.message}[/red]")
+        return 1
+    if args.format == "json":
+        print(json.dumps(result, indent=2))
+        return 0
+    features = ", ".join(f"{k}={v}" for k, v in result["features"].items())
+    Console().print(f"[bold]{result['requested_model']}[/bold]: {features}")
+    table = Table(title="rules, in order (first match wins)")
+    for column in ("rule", "condition", "holds", "request"):
+        table.add_column(column)
+    for tried in result["rules"]:
+        for i, condition in enumerate(tried["conditions"] or [{"condition": "(none)", "holds": True, "request": ""}]):
+            table.add_row(tried["rule"] if i == 0 else "", condition["condition"],
+                          "yes" if condition["holds"] else "no", str(condition["request"]))
+    Console().print(table)
+    decision = result["decision"]
+    Console().print(f"-> model {decision['model']} in pool {decision['pool']}: {decision['why']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``llmgw``."""
     parser = argparse.ArgumentParser(prog="llmgw", description="An LLM API gateway on Envoy ext_proc.")
@@ -312,6 +351,16 @@ def build_parser() -> argparse.ArgumentParser:
     usage.add_argument("--file", default=".run/usage.jsonl", help="file ledger (default .run/usage.jsonl)")
     usage.add_argument("--redis-url", default=None, help="read the Redis Stream ledger instead")
     usage.set_defaults(handler=cmd_usage)
+
+    route = commands.add_parser("route", help="how a request body would be routed, and why")
+    route.add_argument("--explain", required=True, metavar="REQUEST.json", help="the body (- for stdin)")
+    route.add_argument("--config", default=DEFAULT_CONFIG, help=f"gateway config (default {DEFAULT_CONFIG})")
+    route.add_argument("--path", default="/v1/chat/completions",
+                       choices=("/v1/chat/completions", "/v1/completions", "/v1/embeddings"))
+    route.add_argument("--tenant", default=None, help="route as this tenant (its tags and default QoS class)")
+    route.add_argument("--qos", default=None, help="the QoS class asked for")
+    route.add_argument("--format", choices=("table", "json"), default="table")
+    route.set_defaults(handler=cmd_route)
 
     check = commands.add_parser("check-config", help="validate a config file")
     check.add_argument("config")

@@ -20,6 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from extproc.quota.limits import UNLIMITED, Limits, Quota
 from extproc.pricing import Prices
+from extproc.routing.rules import Match, Range, Rule
 from extproc.resources import resolve_resource
 
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
@@ -277,6 +278,42 @@ class TracingSpec(_Strict):
         return self
 
 
+class RangeSpec(_Strict):
+    """An inclusive range: ``{min: 0.8}``, ``{max: 4096}``, or both."""
+
+    min: float | None = None
+    max: float | None = None
+
+
+class MatchSpec(_Strict):
+    """A rule's conditions; it matches when every condition given holds."""
+
+    models: list[str] | None = None  # globs over the model name the client sent ("gpt-4*", "auto")
+    temperature: RangeSpec | None = None
+    response_format: list[Literal["text", "json_object", "json_schema"]] | None = None
+    tools: bool | None = None
+    stream: bool | None = None
+    max_tokens: RangeSpec | None = None
+    modalities: list[Literal["image", "audio"]] | None = None  # any of these in the prompt
+    input_tokens: RangeSpec | None = None  # the gateway's count of the prompt
+    system_prompt: bool | None = None
+    few_shot: RangeSpec | None = None  # user/assistant example pairs before the last user turn
+    code_blocks: bool | None = None
+    json_output: bool | None = None  # response_format asks for JSON, or the prompt says "JSON"
+    language: list[str] | None = None  # the last user turn's script: zh, ja, ko, ru, ar, he, hi, el, th, latin
+    tenant_tags: dict[str, str] | None = None
+    qos: list[str] | None = None
+
+
+class RouteSpec(_Strict):
+    """A routing rule: requests matching ``match`` are served by ``model`` (in ``pool``, default its own)."""
+
+    name: Annotated[str, Field(pattern=_NAME.pattern)]
+    match: MatchSpec = Field(default_factory=MatchSpec)
+    model: str
+    pool: str | None = None
+
+
 class GatewaySpec(_Strict):
     """The whole YAML document."""
 
@@ -290,6 +327,8 @@ class GatewaySpec(_Strict):
     quota: QuotaSpec = Field(default_factory=QuotaSpec)
     keys: KeysSpec = Field(default_factory=KeysSpec)
     tracing: TracingSpec = Field(default_factory=TracingSpec)
+    # Ordered routing rules, first match wins; none matching: the requested model in its own pool.
+    routes: list[RouteSpec] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _cross_references(self) -> GatewaySpec:
@@ -305,6 +344,13 @@ class GatewaySpec(_Strict):
                 if name in seen:
                     raise ValueError(f"{where}: {name!r} is already used by {seen[name]}")
                 seen[name] = where
+        _no_duplicates("routes", [r.name for r in self.routes])
+        served = {m.name for m in self.models}
+        for i, route in enumerate(self.routes):
+            if route.model not in served:
+                raise ValueError(f"routes[{i}].model: {route.model!r} is not a model's name (aliases are not served)")
+            if route.pool is not None and route.pool not in pool_names:
+                raise ValueError(f"routes[{i}].pool: no pool named {route.pool!r}")
         return self
 
 
@@ -388,6 +434,7 @@ class GatewayConfig:
     quota: QuotaSpec = field(default_factory=QuotaSpec)
     keys: KeysSpec = field(default_factory=KeysSpec)
     tracing: Tracing = field(default_factory=Tracing)
+    rules: tuple[Rule, ...] = ()
 
     def lookup(self, requested: str) -> Model | None:
         """The model a client's ``model`` field names, through aliases; None when unknown."""
@@ -450,7 +497,28 @@ def compile_spec(spec: GatewaySpec, *, env: dict[str, str] | os._Environ[str]) -
             raise ConfigError(f"tenants[{i}].keys: empty, and no redis_url to hold keys added with `llmgw keys add`")
     return GatewayConfig(by_name, models, pools, spec.server.max_body_bytes, spec.server, redis_url,
                          keys, tenants, bool(spec.tenants), spec.quota, spec.keys,
-                         _compile_tracing(spec.tracing, env))
+                         _compile_tracing(spec.tracing, env), _compile_rules(spec, by_name))
+
+
+def _compile_rules(spec: GatewaySpec, models: dict[str, Model]) -> tuple[Rule, ...]:
+    def span(r: RangeSpec | None) -> Range | None:
+        return None if r is None else Range(r.min, r.max)
+
+    def names(values: list[str] | None) -> tuple[str, ...] | None:
+        return None if values is None else tuple(values)
+
+    rules = []
+    for route in spec.routes:
+        m = route.match
+        match = Match(
+            models=names(m.models), temperature=span(m.temperature), response_format=names(m.response_format),
+            tools=m.tools, stream=m.stream, max_tokens=span(m.max_tokens), modalities=names(m.modalities),
+            input_tokens=span(m.input_tokens), system_prompt=m.system_prompt, few_shot=span(m.few_shot),
+            code_blocks=m.code_blocks, json_output=m.json_output, language=names(m.language),
+            tenant_tags=tuple(sorted(m.tenant_tags.items())) if m.tenant_tags is not None else None,
+            qos=names(m.qos))
+        rules.append(Rule(route.name, match, route.model, route.pool or models[route.model].pool.name))
+    return tuple(rules)
 
 
 def _compile_tracing(spec: TracingSpec, env: Any) -> Tracing:

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from extproc.api import ApiError, Operation
-from extproc.body import BodyLimits
+from extproc.body import NO_RULES, BodyLimits, Routing
 from extproc.quota.limits import Admission, Quota
 
 Headers = tuple[tuple[str, str], ...]
@@ -71,6 +71,7 @@ class Analyze:
     served_names: Mapping[str, str]
     limits: BodyLimits
     tokenizers: Mapping[str, str] = field(default_factory=dict)  # served name -> tokenizer.json path
+    routing: Routing = NO_RULES
 
 
 Decision = Continue | Reply

@@ -24,7 +24,7 @@ from extproc import validation
 from extproc.accounting import RequestRecord, micro_dollars, rejection
 from extproc.api import OPERATIONS_BY_PATH, ApiError
 from extproc.auth import CHALLENGE, UNAUTHORIZED, authenticate
-from extproc.body import BodyFacts, BodyLimits, analyze
+from extproc.body import NO_RULES, BodyFacts, BodyLimits, Routing, analyze
 from extproc.catalog import model_card, models_list
 from extproc.config import GatewayConfig
 from extproc.decisions import Admit, Analyze, Continue, Decision, Effect, Headers, Reply, Step
@@ -150,10 +150,12 @@ class Gateway:
         state.begin()
         if len(body) > self.config.max_body_bytes:
             return self._reject(state, validation.too_large(len(body), self.config.max_body_bytes))
+        routing = Routing(self.config.rules, state.tenant.tags if state.tenant else (), state.qos) \
+            if self.config.rules else NO_RULES
         if len(body) >= self.config.server.offload_body_bytes:
-            return Analyze(state.operation, body, self._served_names, self._limits, self._tokenizers)
+            return Analyze(state.operation, body, self._served_names, self._limits, self._tokenizers, routing)
         try:
-            analyzed = analyze(state.operation, body, self._served_names, self._limits, self._counters)
+            analyzed = analyze(state.operation, body, self._served_names, self._limits, self._counters, routing)
         except ApiError as error:
             return self._reject(state, error)
         return self._analyzed(state, analyzed)
@@ -185,13 +187,14 @@ class Gateway:
         facts, state.new_body = analyzed
         state.facts = facts
         state.end("tokens")
-        model = self.config.lookup(facts.model)
+        model = self.config.lookup(facts.served or facts.model)
         if model is None:
             state.new_body = None
             return self._reject(state, ApiError(
                 404, f"The model '{facts.model}' does not exist or you do not have access to it.",
                 param="model", code="model_not_found"))
         state.model = model
+        state.pool = self.config.pools[facts.pool] if facts.pool else model.pool
         quota = state.tenant.quota(state.qos) if state.tenant is not None else None
         if quota is None:
             return self.router.route(state, QOS_HEADER)

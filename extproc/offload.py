@@ -22,7 +22,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from extproc.api import ApiError, Operation
-from extproc.body import BodyFacts, BodyLimits, analyze
+from extproc.body import BodyFacts, BodyLimits, Routing, analyze
 from extproc.tokens import BpeEstimator, TokenEstimator
 from extproc.decisions import Analyze
 
@@ -41,12 +41,12 @@ def _estimator(path: str) -> TokenEstimator:
     return BpeEstimator.from_spec(path)
 
 
-def _analyze_in_helper(operation: Operation, body: bytes, served_names: dict[str, str],
-                       limits: BodyLimits, tokenizers: dict[str, str]) -> tuple[BodyFacts, bytes | None] | _ErrorFields:
+def _analyze_in_helper(operation: Operation, body: bytes, served_names: dict[str, str], limits: BodyLimits,
+                       tokenizers: dict[str, str], routing: Routing) -> tuple[BodyFacts, bytes | None] | _ErrorFields:
     # An ApiError does not survive pickling (a dataclass exception has no args): send its fields.
     try:
         estimators = {name: _estimator(path) for name, path in tokenizers.items()}
-        return analyze(operation, body, served_names, limits, estimators)
+        return analyze(operation, body, served_names, limits, estimators, routing)
     except ApiError as error:
         return (error.status, error.message, error.type, error.param, error.code)
 
@@ -96,7 +96,7 @@ class BodyAnalyzer:
         try:
             result = await asyncio.get_running_loop().run_in_executor(
                 self._ensure_pool(), _analyze_in_helper, job.operation, job.body, dict(job.served_names), job.limits,
-                dict(job.tokenizers))
+                dict(job.tokenizers), job.routing)
         except BrokenProcessPool:
             log.error("the body-analysis helper process died; starting a new one")
             self._pool = None

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from extproc.accounting import Phase
 from extproc.api import ApiError, Operation
 from extproc.body import BodyFacts
-from extproc.config import Model, Tenant
+from extproc.config import Model, Pool, Tenant
 from extproc.decisions import Headers
 from extproc.quota.limits import Lease
 from extproc.telemetry.tracecontext import TraceContext
@@ -28,6 +28,7 @@ class RequestState:
     sampled: bool = False  # the request's span is exported (tracing on, and sampled in)
     operation: Operation | None = None
     model: Model | None = None
+    pool: Pool | None = None  # the model's own pool, or the one a routing rule chose
     endpoint: str | None = None
     facts: BodyFacts | None = None  # what the body said; the parsed JSON itself is not kept
     new_body: bytes | None = None  # the body to forward when it changed; dropped once sent

@@ -23,6 +23,7 @@ from extproc.validation import DESTINATION_HEADER
 ROUTE_HEADER = "x-llmgw-route"
 MODEL_HEADER = "x-llmgw-model"
 POOL_HEADER = "x-llmgw-pool"
+DECISION_HEADER = "x-llmgw-decision"
 TENANT_HEADER = "x-llmgw-tenant"
 ROUTE_DIRECT = "direct"
 RULE_MODEL = "model"  # the pool of the model the client named (routing rules come next)
@@ -46,9 +47,9 @@ class Router:
     def route(self, state: RequestState, qos_header: str) -> Continue:
         """Pick the endpoint and a fallback for Envoy's one retry; set the routing headers, the
         trace baggage, the new body (an alias, an added usage chunk) and the decision metadata."""
-        facts, model, trace = state.facts, state.model, state.trace
-        assert facts is not None and model is not None and trace is not None
-        usable = self.health.usable(model.pool.endpoints)
+        facts, model, trace, pool = state.facts, state.model, state.trace, state.pool
+        assert facts is not None and model is not None and trace is not None and pool is not None
+        usable = self.health.usable(pool.endpoints)
         endpoint = state.endpoint = self.picker.pick(usable)
         # Envoy's override_host policy tries the listed hosts in order, one per attempt: a pod that
         # refuses the connection or resets before answering is retried once on the fallback.
@@ -59,7 +60,9 @@ class Router:
             (ROUTE_HEADER, ROUTE_DIRECT),
             (DESTINATION_HEADER, destination),
             (MODEL_HEADER, model.name),
-            (POOL_HEADER, model.pool.name),
+            (POOL_HEADER, pool.name),
+            # what was decided and why, copied onto the response by Envoy (envoy.yaml)
+            (DECISION_HEADER, f"rule={facts.rule or RULE_MODEL}; model={model.name}; pool={pool.name}"),
             # W3C baggage for the pod: the seeds' "trace colouring" (batch id joins when batching lands)
             ("baggage", baggage(_baggage_items(state.request_id, model.version, tenant))),
         ]
@@ -67,8 +70,8 @@ class Router:
             set_headers.append((TENANT_HEADER, tenant))
             set_headers.append((qos_header, state.qos))
         set_headers.extend(state.rate_headers)  # copied onto the response by Envoy (envoy.yaml)
-        if model.pool.credential:
-            set_headers.append(("authorization", f"Bearer {model.pool.credential}"))
+        if pool.credential:
+            set_headers.append(("authorization", f"Bearer {pool.credential}"))
         if facts.strip_usage:  # exact usage for the ledger; Envoy's Lua filter drops the chunk
             set_headers.append((STRIP_USAGE_HEADER, "1"))
         new_body, state.new_body = state.new_body, None
@@ -120,11 +123,12 @@ def _baggage_items(request_id: str, version: str, tenant: str) -> list[tuple[str
 def decision_of(state: RequestState, endpoint: str = "") -> Decision:
     """The request's decision so far (a refused request has no pool nor endpoint)."""
     facts, model, trace = state.facts, state.model, state.trace
+    pool = state.pool or (model.pool if model is not None else None)
     return Decision(
         id=state.id, request_id=state.request_id, started_ns=state.started_ns, path=state.path,
         model=facts.model if facts is not None else "", served_model=model.name if model is not None else "",
-        model_version=model.version if model is not None else "", pool=model.pool.name if model is not None else "",
-        endpoint=endpoint, rule=RULE_MODEL if model is not None else "",
+        model_version=model.version if model is not None else "", pool=pool.name if pool is not None else "",
+        endpoint=endpoint, rule=(facts.rule or RULE_MODEL) if model is not None and facts is not None else "",
         stream=facts.stream if facts is not None else False,
         input_tokens=facts.input_tokens if facts is not None else 0,
         max_tokens=facts.output_limit if facts is not None else None, n=facts.n if facts is not None else 1,
