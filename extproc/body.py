@@ -48,7 +48,7 @@ class BodyFacts:
     embedding: bool
     input_tokens: int  # the estimator's count, for reservations and streams without usage
     strip_usage: bool  # include_usage was added for the ledger; Envoy's Lua filter drops the chunk
-    features: PromptFeatures = PromptFeatures()
+    features: PromptFeatures = PromptFeatures()  # read only when routing rules are configured
     rule: str = ""  # the routing rule that chose ``served`` ("": the model the client named)
     pool: str | None = None  # the rule's pool (None: the served model's own)
 
@@ -63,6 +63,7 @@ class Routing:
 
 
 NO_RULES = Routing()
+NO_FEATURES = PromptFeatures()
 
 
 def analyze(operation: Operation, body: bytes, served_names: Mapping[str, str], limits: BodyLimits,
@@ -84,9 +85,9 @@ def analyze(operation: Operation, body: bytes, served_names: Mapping[str, str], 
     stream = bool(getattr(request, "stream", False))
     counters = estimators or {}
     input_tokens = (counters.get(served or "") or _FALLBACK).estimate(parsed).total
-    features = extract(raw)
-    rule, pool = "", None
-    if routing.rules:
+    features, rule, pool = NO_FEATURES, "", None
+    if routing.rules:  # the prompt's features are read only when rules may use them
+        features = extract(raw)
         context = RouteContext(request.model, features, stream, request.output_limit, input_tokens,
                                dict(routing.tenant_tags), routing.qos)
         chosen = choose(routing.rules, context).rule

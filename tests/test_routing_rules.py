@@ -200,3 +200,12 @@ def test_llmgw_route_explain_command(tmp_path: Path) -> None:
     table = subprocess.run([sys.executable, "-m", "extproc.cli", "route", "--explain", str(request), "--config",
                             str(config)], capture_output=True, text=True, timeout=60)
     assert table.returncode == 0 and "model llama-3-70b-long in pool long" in table.stdout
+
+
+@pytest.mark.parametrize("body", [
+    {"model": "m", "messages": [None], "input": [[]]},
+    {"model": "m", "messages": [1, "x", {"role": 3, "content": {"a": 1}}], "input": "x"},
+    {"model": "m", "prompt": [1, None, "x"], "response_format": {"type": 7}},
+], ids=["null message", "odd messages", "odd prompt"])
+def test_features_of_fields_no_schema_checked(body: dict[str, object]) -> None:
+    extract(body)  # an embedding request's unvalidated fields never crash the gateway

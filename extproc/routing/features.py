@@ -44,7 +44,8 @@ class PromptFeatures:
 
 
 def extract(raw: dict[str, Any]) -> PromptFeatures:
-    """The features of a validated request body (chat, completion or embedding)."""
+    """The features of a validated request body (chat, completion or embedding). Fields the
+    operation does not validate (``messages`` in an embedding request) may hold anything."""
     temperature = raw.get("temperature")
     response_format = raw.get("response_format")
     format_type = str(response_format.get("type", "text")) if isinstance(response_format, dict) else "text"
@@ -63,6 +64,8 @@ def extract(raw: dict[str, Any]) -> PromptFeatures:
     roles: list[str] = []
     last_user = ""
     for message in messages:
+        if not isinstance(message, dict):  # a field the operation ignores may hold anything
+            continue
         role = message.get("role", "")
         roles.append(role)
         text = _text_of(message.get("content"), modalities)
