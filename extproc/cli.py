@@ -22,6 +22,7 @@ from extproc.config import (
     LEDGER_PATH_ENV,
     QUOTA_PATH_ENV,
     ConfigError,
+    GatewayConfig,
     compile_spec,
     hash_key,
     load_config,
@@ -249,14 +250,19 @@ def cmd_usage(args: argparse.Namespace) -> int:
     return 0
 
 
+def offline_config(path: str | Path) -> GatewayConfig:
+    """A config compiled without starting anything: simulated pools get their endpoints from
+    `llmgw up`, so stand-ins let the rest be checked; a missing dev key is a placeholder."""
+    spec = load_spec(path)
+    pools = [p.model_copy(update={"endpoints": p.endpoints or ["127.0.0.1:1"]}) for p in spec.pools]
+    env = {**os.environ, DEV_KEY_ENV: os.environ.get(DEV_KEY_ENV) or "unset"}
+    return compile_spec(spec.model_copy(update={"pools": pools}), env=env)
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     """``llmgw check-config``: validate a config file and summarise it."""
     try:
-        spec = load_spec(args.config)
-        # Simulated pools get their endpoints from `llmgw up`; stand-ins let the rest be checked.
-        pools = [p.model_copy(update={"endpoints": p.endpoints or ["127.0.0.1:1"]}) for p in spec.pools]
-        env = {**os.environ, DEV_KEY_ENV: os.environ.get(DEV_KEY_ENV) or "unset"}
-        config = compile_spec(spec.model_copy(update={"pools": pools}), env=env)
+        config = offline_config(args.config)
     except ConfigError as error:
         console.print(f"[red]{error}[/red]")
         return 2
@@ -275,10 +281,7 @@ def cmd_route(args: argparse.Namespace) -> int:
     from extproc.routing.explain import explain
 
     try:
-        spec = load_spec(args.config)
-        pools = [p.model_copy(update={"endpoints": p.endpoints or ["127.0.0.1:1"]}) for p in spec.pools]
-        env = {**os.environ, DEV_KEY_ENV: os.environ.get(DEV_KEY_ENV) or "unset"}
-        config = compile_spec(spec.model_copy(update={"pools": pools}), env=env)
+        config = offline_config(args.config)
         body = sys.stdin.buffer.read() if args.explain == "-" else Path(args.explain).read_bytes()
         result = explain(config, body, args.path, args.tenant, args.qos)
     except (ConfigError, OSError) as error:
