@@ -54,7 +54,7 @@ class Decision:
     model_version: str
     pool: str
     endpoint: str
-    rule: str  # what chose the pool (``model``: the model's own pool)
+    rule: str  # what chose the pool (``model``: the model's own pool; ``intents``: semantic routing)
     stream: bool
     input_tokens: int  # the gateway's estimate
     max_tokens: int | None
@@ -67,6 +67,8 @@ class Decision:
     sampled: bool = False
     lease: Lease | None = None
     phases: tuple[Phase, ...] = ()
+    intent: str = ""  # semantic routing's intent ("default": none matched)
+    score: float | None = None  # its cosine similarity
 
     def metadata(self) -> dict[str, object]:
         """The decision as a JSON-able mapping for ``ProcessingResponse.dynamic_metadata``."""
@@ -84,6 +86,10 @@ class Decision:
         }
         if self.max_tokens is not None:
             out["max_tokens"] = self.max_tokens
+        if self.intent:
+            out["intent"] = self.intent
+        if self.score is not None:
+            out["score"] = self.score
         if self.lease is not None:
             lease = self.lease
             out["lease"] = {"tenant": lease.tenant, "qos": lease.qos, "id": lease.lease_id,
@@ -102,6 +108,7 @@ class Decision:
             lease = _lease(data.get("lease"))
             phases = tuple(_phases(str(data.get("phases", "")), started))
             max_tokens = data.get("max_tokens")
+            score = data.get("score")
             return cls(
                 id=str(data["id"]), request_id=str(data.get("request_id", "")), started_ns=started,
                 path=str(data.get("path", "")), model=str(data.get("model", "")),
@@ -113,7 +120,8 @@ class Decision:
                 tenant=str(data.get("tenant", "")), qos=str(data.get("qos", "")),
                 trace_id=str(data.get("trace_id", "")), span_id=str(data.get("span_id", "")),
                 parent_span_id=str(data.get("parent_span_id", "")), sampled=bool(data.get("sampled", False)),
-                lease=lease, phases=phases)
+                lease=lease, phases=phases, intent=str(data.get("intent", "")),
+                score=float(score) if isinstance(score, (int, float)) and not isinstance(score, bool) else None)
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"not a gateway decision: {error}") from error
 

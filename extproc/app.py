@@ -30,7 +30,9 @@ from extproc.ledger import FileLedger, LedgerSink, RedisLedger
 from extproc.offload import BodyAnalyzer
 from extproc.quota import FallbackStore, MemoryStore, OnStoreError, QuotaStore
 from extproc.quota.redis_store import RedisStore
-from extproc.routing.picker import LeastInFlight
+from extproc.routing.picker import Picker
+from extproc.routing.classifier import IntentClassifier
+from extproc.routing.podstate import PodStates, default_state_path, gather_forever
 from extproc.routing.probe import probe_forever
 from extproc.server import ExternalProcessor
 from extproc.sinks import Settlement
@@ -84,7 +86,8 @@ def build_tracing(config: GatewayConfig) -> tuple[RequestTracer | None, Sampler 
 
 
 def build_server(config: GatewayConfig, gateway: Gateway, store: QuotaStore, settlement: Settlement,
-                 analyzer: BodyAnalyzer | None = None) -> tuple[grpc.aio.Server, AccessLogReceiver]:
+                 analyzer: BodyAnalyzer | None = None, classifier: IntentClassifier | None = None
+                 ) -> tuple[grpc.aio.Server, AccessLogReceiver]:
     """A grpc.aio server carrying both services; messages as large as Envoy may buffer."""
     # At least what Envoy may buffer (per_connection_buffer_limit_bytes in envoy.yaml), so that an
     # oversize chunked body reaches the gateway and gets an OpenAI-style 413, not a gRPC error.
@@ -97,13 +100,24 @@ def build_server(config: GatewayConfig, gateway: Gateway, store: QuotaStore, set
             ("grpc.max_concurrent_streams", 10000),
         ]
     )
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(gateway, store, settlement, analyzer), server)
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(gateway, store, settlement, analyzer, classifier),
+                                                     server)
     receiver = AccessLogReceiver(settlement)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(receiver, server)
     return server, receiver
 
 
-async def watch_config(path: Path, gateway: Gateway, interval: float = RELOAD_INTERVAL_S) -> None:
+async def configure_intents(classifier: IntentClassifier, config: GatewayConfig) -> None:
+    """Build semantic routing's index for ``config``; on failure (the embedder cannot load) log it
+    and keep the previous one: requests for intents then take the default route."""
+    try:
+        await classifier.configure(config.intents)
+    except Exception as error:  # noqa: BLE001 (an embedder's load error: logged, traffic goes on)
+        log.error("semantic routing unavailable, requests take the default route: %s", error)
+
+
+async def watch_config(path: Path, gateway: Gateway, interval: float = RELOAD_INTERVAL_S,
+                       classifier: IntentClassifier | None = None) -> None:
     """Reload the config when its file changes (a revoked key stops working within ``interval``).
 
     A file that no longer validates is refused with an error and the running snapshot is kept.
@@ -118,6 +132,8 @@ async def watch_config(path: Path, gateway: Gateway, interval: float = RELOAD_IN
             seen = mtime
             gateway.reload(load_config(path))
             log.info("config reloaded from %s", path)
+            if classifier is not None:
+                await configure_intents(classifier, gateway.config)
         except (OSError, ConfigError) as error:
             log.error("config reload refused, keeping the running config: %s", error)
 
@@ -136,6 +152,18 @@ async def housekeeping(gateway: Gateway, settlement: Settlement, metrics: Gatewa
         await asyncio.sleep(1.0)
 
 
+def _all_endpoints(config: GatewayConfig) -> tuple[str, ...]:
+    return tuple(sorted({endpoint for pool in config.pools.values() for endpoint in pool.endpoints}))
+
+
+async def gather_pod_states(gateway: Gateway, states: PodStates) -> None:
+    """The pods' vLLM metrics, scraped by one worker of the node and read by all (the picker's
+    queue, KV-cache and LoRA scorers, and QoS shedding)."""
+    scrape = gateway.config.endpoint_picker.scrape
+    path = Path(scrape.path) if scrape.path else default_state_path(_all_endpoints(gateway.config))
+    await gather_forever(lambda: _all_endpoints(gateway.config), path, scrape.interval_s, states, scrape.timeout_s)
+
+
 async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[int], None],
                 config_path: Path | None = None, metrics_port: int | None = None) -> None:
     """Run until SIGTERM/SIGINT, then drain streams for up to 5 s; reload ``config_path`` on change.
@@ -144,20 +172,25 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     served here on ``metrics_port``.
     """
     tracer, sampler = build_tracing(config)
-    gateway = Gateway(config, LeastInFlight(), sampler=sampler)
+    scrape = config.endpoint_picker.scrape
+    states = PodStates(stale_after_s=scrape.interval_s * scrape.stale_after_intervals)
+    picker = Picker(states=states, prefix_capacity=config.endpoint_picker.prefix.index_blocks)
+    gateway = Gateway(config, picker, sampler=sampler)
     store, ledger, metrics = build_store(config), build_ledger(config), GatewayMetrics()
     if metrics_port is not None and not os.environ.get(MULTIPROC_ENV):
         serve_metrics(metrics_port, host, registry=metrics.registry)
     settlement = Settlement(gateway, store, ledger, metrics, tracer)
-    analyzer = BodyAnalyzer()
-    server, _ = build_server(config, gateway, store, settlement, analyzer)
+    analyzer, classifier = BodyAnalyzer(), IntentClassifier()
+    await configure_intents(classifier, config)  # before serving: "auto" is routed from the first request
+    server, _ = build_server(config, gateway, store, settlement, analyzer, classifier)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     ready(bound)
     # The helper process for large bodies starts (~1 s of imports) while small ones are served.
     warming = asyncio.create_task(analyzer.start())
     prober = asyncio.create_task(probe_forever(lambda: gateway.config, gateway.health))
-    watcher = asyncio.create_task(watch_config(config_path, gateway)) if config_path else None
+    gatherer = asyncio.create_task(gather_pod_states(gateway, states)) if scrape.enabled else None
+    watcher = asyncio.create_task(watch_config(config_path, gateway, classifier=classifier)) if config_path else None
     # Keys stored in Redis: each process polls the table's version (1 s) and swaps in a snapshot,
     # so lookups never wait on Redis and a revoked key stops working within about a second.
     key_table = RedisKeyTable.from_url(config.redis_url) if config.redis_url else None
@@ -169,12 +202,13 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    for task in (watcher, key_watcher, keeper, prober, warming):
+    for task in (watcher, key_watcher, keeper, prober, warming, gatherer):
         if task is not None:
             task.cancel()
     await server.stop(grace=5)  # Envoy's access-log streams end here: their last entries are settled
     await settlement.drain()
     analyzer.close()
+    classifier.close()
     if tracer is not None:
         tracer.shutdown()
     if key_table is not None:

@@ -19,7 +19,8 @@ from typing import Any
 
 import orjson
 from extproc.api import ApiError, EmbeddingRequest, Operation, ParsedRequest, load_object, validate
-from extproc.routing.features import PromptFeatures, extract
+from extproc.routing.features import PromptFeatures, extract, intent_text
+from extproc.routing.prefix import prefix_hashes
 from extproc.routing.rules import RouteContext, Rule, choose
 from extproc.tokens import FallbackEstimator, TokenEstimator
 
@@ -51,15 +52,26 @@ class BodyFacts:
     features: PromptFeatures = PromptFeatures()  # read only when routing rules are configured
     rule: str = ""  # the routing rule that chose ``served`` ("": the model the client named)
     pool: str | None = None  # the rule's pool (None: the served model's own)
+    prefix: tuple[int, ...] = ()  # hashes of the prompt's leading blocks, for the picker's prefix affinity
+    # Semantic routing asked (model "auto", or a rule with intents): the text to classify. ``served``
+    # and ``pool`` are then the default route's, and the body to forward lacks its "model" field
+    # (``with_model`` puts the chosen one back).
+    intent_text: str | None = None
+    intent: str = ""  # the intent that chose ``served`` ("default": none did)
+    score: float | None = None  # its cosine similarity
 
 
 @dataclass(frozen=True, slots=True)
 class Routing:
-    """What rule routing needs besides the body: the rules, and who asks (picklable, for the helper)."""
+    """What routing needs besides the body: the rules, who asks, and the prefix blocks the picker
+    scores (picklable, for the helper)."""
 
     rules: tuple[Rule, ...] = ()
     tenant_tags: tuple[tuple[str, str], ...] = ()
     qos: str = ""
+    prefix_blocks: tuple[int, int] = (0, 0)  # (block_chars, max_blocks) to hash; (0, 0): none
+    # Semantic routing: (the model name that asks for it, the default model, its pool, characters classified)
+    intents: tuple[str, str, str, int] | None = None
 
 
 NO_RULES = Routing()
@@ -85,20 +97,32 @@ def analyze(operation: Operation, body: bytes, served_names: Mapping[str, str], 
     stream = bool(getattr(request, "stream", False))
     counters = estimators or {}
     input_tokens = (counters.get(served or "") or _FALLBACK).estimate(parsed).total
-    features, rule, pool = NO_FEATURES, "", None
+    features, rule, pool, classify = NO_FEATURES, "", None, False
     if routing.rules:  # the prompt's features are read only when rules may use them
         features = extract(raw)
         context = RouteContext(request.model, features, stream, request.output_limit, input_tokens,
                                dict(routing.tenant_tags), routing.qos)
         chosen = choose(routing.rules, context).rule
         if chosen is not None:
-            rule, pool = chosen.name, chosen.pool
+            rule, pool, classify = chosen.name, chosen.pool, chosen.intents and routing.intents is not None
             if chosen.model != served:
                 served = chosen.model
                 input_tokens = (counters.get(served) or _FALLBACK).estimate(parsed).total
+    if not rule and routing.intents is not None and request.model == routing.intents[0]:
+        served, pool, classify = routing.intents[1], routing.intents[2], True
+        input_tokens = (counters.get(served) or _FALLBACK).estimate(parsed).total
+    block_chars, max_blocks = routing.prefix_blocks
+    prefix = prefix_hashes(raw, block_chars, max_blocks) if block_chars and not isinstance(
+        request, EmbeddingRequest) else ()
     strip_usage = needs_usage_chunk(parsed)
     changed = False
-    if served is not None and served != request.model:  # an alias: pods know the served name
+    text = None
+    if classify:  # the model is chosen later: forward the body without it (see with_model)
+        assert routing.intents is not None
+        text = intent_text(raw, routing.intents[3])
+        del raw["model"]
+        changed = True
+    elif served is not None and served != request.model:  # an alias: pods know the served name
         raw["model"] = served
         changed = True
     if served is not None and strip_usage:
@@ -108,13 +132,19 @@ def analyze(operation: Operation, body: bytes, served_names: Mapping[str, str], 
         model=request.model, served=served, stream=stream, n=getattr(request, "n", None) or 1,
         output_limit=request.output_limit, embedding=isinstance(request, EmbeddingRequest),
         input_tokens=input_tokens, strip_usage=strip_usage and served is not None, features=features,
-        rule=rule, pool=pool,
+        rule=rule, pool=pool, prefix=prefix, intent_text=text,
     )
     # Depth is bounded (max_depth < orjson's 254 levels), so dumps cannot raise here.
     return facts, (orjson.dumps(raw) if changed else None)
 
 
 _FALLBACK = FallbackEstimator()
+
+
+def with_model(body: bytes, model: str) -> bytes:
+    """A body analyzed for semantic routing (an object without "model"), given its model."""
+    field = b'{"model":' + orjson.dumps(model)
+    return field + b"}" if body == b"{}" else field + b"," + body[1:]
 
 
 def needs_usage_chunk(parsed: ParsedRequest) -> bool:

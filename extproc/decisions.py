@@ -74,7 +74,16 @@ class Analyze:
     routing: Routing = NO_RULES
 
 
+@dataclass(frozen=True, slots=True)
+class Classify:
+    """Not an answer yet: semantic routing, for the shell to match ``text`` to an intent off the
+    event loop (``extproc.routing.classifier``), then hand the ``IntentMatch`` (None: the embedder
+    is busy or failed; the default route) to ``Gateway.resume``."""
+
+    text: str
+
+
 Decision = Continue | Reply
-Effect = Admit | Analyze  # work the shell does, then hands back to ``Gateway.resume``
+Effect = Admit | Analyze | Classify  # work the shell does, then hands back to ``Gateway.resume``
 Step = Decision | Effect
 PASS_THROUGH = Continue()

@@ -24,10 +24,10 @@ from extproc import validation
 from extproc.accounting import RequestRecord, micro_dollars, rejection
 from extproc.api import OPERATIONS_BY_PATH, ApiError
 from extproc.auth import CHALLENGE, UNAUTHORIZED, authenticate
-from extproc.body import NO_RULES, BodyFacts, BodyLimits, Routing, analyze
+from extproc.body import NO_RULES, BodyFacts, BodyLimits, Routing, analyze, with_model
 from extproc.catalog import model_card, models_list
 from extproc.config import GatewayConfig
-from extproc.decisions import Admit, Analyze, Continue, Decision, Effect, Headers, Reply, Step
+from extproc.decisions import Admit, Analyze, Classify, Continue, Decision, Effect, Headers, Reply, Step
 from extproc.keys import KeySnapshot
 from extproc.predict import OutputLengthPredictor
 from extproc.qos import QOS_HEADER, choose_qos
@@ -88,6 +88,9 @@ class Gateway:
         self._served_names = {name: model.name for name, model in config.models_by_name.items()}
         self._limits = BodyLimits(**config.server.limits.model_dump())
         self.router.forget_after_s = config.quota.lease_ttl_s * 2
+        self._prefix_blocks = config.prefix_blocks
+        intents = config.intents
+        self._intents = (intents.model_name, *intents.default, intents.max_chars) if intents is not None else None
         self.config = config
 
     def set_redis_keys(self, snapshot: KeySnapshot) -> None:
@@ -150,8 +153,9 @@ class Gateway:
         state.begin()
         if len(body) > self.config.max_body_bytes:
             return self._reject(state, validation.too_large(len(body), self.config.max_body_bytes))
-        routing = Routing(self.config.rules, state.tenant.tags if state.tenant else (), state.qos) \
-            if self.config.rules else NO_RULES
+        routing = Routing(self.config.rules, state.tenant.tags if state.tenant else (), state.qos,
+                          self._prefix_blocks, self._intents) \
+            if self.config.rules or self._prefix_blocks[0] or self._intents else NO_RULES
         if len(body) >= self.config.server.offload_body_bytes:
             return Analyze(state.operation, body, self._served_names, self._limits, self._tokenizers, routing)
         try:
@@ -171,6 +175,8 @@ class Gateway:
         if isinstance(effect, Analyze):
             assert isinstance(result, (tuple, ApiError)), result
             return self._analyzed(state, result)
+        if isinstance(effect, Classify):
+            return self._classified(state, result)
         if isinstance(result, StoreUnavailable):
             # The quota store is down and the config says fail closed.
             return self._reject(state, UNAVAILABLE, (("retry-after", "1"),))
@@ -187,6 +193,28 @@ class Gateway:
         facts, state.new_body = analyzed
         state.facts = facts
         state.end("tokens")
+        if facts.intent_text is not None:
+            return Classify(facts.intent_text)
+        return self._resolved(state, facts)
+
+    def _classified(self, state: RequestState, match: object) -> Step:
+        """Semantic routing's answer: the intent's model and pool, else the default route's (which
+        ``analyze`` already set); the forwarded body gets the chosen model."""
+        facts, body = state.facts, state.new_body
+        assert facts is not None and body is not None
+        intent = getattr(match, "intent", None)
+        score = getattr(match, "score", None)
+        if intent is not None:
+            facts = replace(facts, served=intent.model, pool=intent.pool, intent=intent.name, score=score)
+        else:
+            facts = replace(facts, intent="default", score=score)
+        state.facts = facts
+        state.new_body = with_model(body, facts.served or facts.model)
+        state.end("intent")
+        return self._resolved(state, facts)
+
+    def _resolved(self, state: RequestState, facts: BodyFacts) -> Step:
+        """The served model is known: its pool, QoS shedding, then admission or the route."""
         model = self.config.lookup(facts.served or facts.model)
         if model is None:
             state.new_body = None
@@ -194,7 +222,10 @@ class Gateway:
                 404, f"The model '{facts.model}' does not exist or you do not have access to it.",
                 param="model", code="model_not_found"))
         state.model = model
-        state.pool = self.config.pools[facts.pool] if facts.pool else model.pool
+        pool = state.pool = self.config.pools[facts.pool] if facts.pool else model.pool
+        if pool.shed and (overloaded := self.router.shed(pool, state.qos)) is not None:
+            state.new_body = None
+            return self._reject(state, overloaded, (("retry-after", "1"),))
         quota = state.tenant.quota(state.qos) if state.tenant is not None else None
         if quota is None:
             return self.router.route(state, QOS_HEADER)

@@ -18,9 +18,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.api import ApiError
-from extproc.decisions import PASS_THROUGH, Admit, Analyze, Continue, Decision, Effect, Reply, Step
+from extproc.decisions import PASS_THROUGH, Admit, Analyze, Classify, Continue, Decision, Effect, Reply, Step
 from extproc.gateway import Gateway
 from extproc.offload import BodyAnalyzer
+from extproc.routing.classifier import IntentClassifier
 from extproc.phases import Phase, ProtocolError, Stage, advance, check
 from extproc.quota import MemoryStore, QuotaStore, StoreUnavailable
 from extproc.sinks import Settlement
@@ -37,14 +38,15 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     """The servicer: one ``Process`` stream per HTTP request, until the request is decided."""
 
     def __init__(self, gateway: Gateway, store: QuotaStore | None = None, settlement: Settlement | None = None,
-                 analyzer: BodyAnalyzer | None = None) -> None:
+                 analyzer: BodyAnalyzer | None = None, classifier: IntentClassifier | None = None) -> None:
         self.gateway = gateway
         self.store = store or MemoryStore()
         self.settlement = settlement or Settlement(gateway, self.store)
         self.analyzer = analyzer or BodyAnalyzer()
+        self.classifier = classifier or IntentClassifier()
         # The effects the gateway may ask for, each run by one coroutine.
         self._effects: dict[type, Callable[[Effect], Awaitable[object]]] = {
-            Analyze: self._analyze, Admit: self._admit}
+            Analyze: self._analyze, Admit: self._admit, Classify: self._classify}
 
     async def Process(  # noqa: N802 (the gRPC method name)
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -91,6 +93,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     async def _analyze(self, effect: Effect) -> object:
         assert isinstance(effect, Analyze)
         return await self.analyzer.analyze(effect)
+
+    async def _classify(self, effect: Effect) -> object:
+        assert isinstance(effect, Classify)
+        return await self.classifier.classify(effect.text)
 
     async def _admit(self, effect: Effect) -> object:
         assert isinstance(effect, Admit)

@@ -12,7 +12,7 @@ from extproc.decisions import Admit, Continue, Reply
 from extproc.gateway import Gateway
 from extproc.quota import MemoryStore, StoreUnavailable
 from extproc.state import RequestState
-from extproc.routing.picker import LeastInFlight
+from extproc.routing.picker import Picker
 from tests.helpers import CONFIG, post_headers
 
 KEY = "sk-limited"
@@ -23,7 +23,7 @@ CHAT = b'{"model": "llama-3-8b-instruct", "messages": [{"role": "user", "content
 
 @pytest.fixture
 def gateway() -> Gateway:
-    return Gateway(parse_config(DOCUMENT, env={"POOL_KEY": "p"}), LeastInFlight(random.Random(0)))
+    return Gateway(parse_config(DOCUMENT, env={"POOL_KEY": "p"}), Picker(random.Random(0)))
 
 
 def _ask(gateway: Gateway) -> tuple[RequestState, Admit]:
@@ -72,7 +72,7 @@ def test_store_outage_with_fail_closed_is_503(gateway: Gateway) -> None:
 
 def test_tenant_without_limits_is_routed_directly() -> None:
     document = {**DOCUMENT, "tenants": [{**DOCUMENT["tenants"][0], "limits": None}]}
-    gateway = Gateway(parse_config(document, env={"POOL_KEY": "p"}), LeastInFlight())
+    gateway = Gateway(parse_config(document, env={"POOL_KEY": "p"}), Picker())
     state = gateway.new_request()
     gateway.request_headers(state, post_headers(authorization=f"Bearer {KEY}"), False)
     decision = gateway.request_body(state, CHAT)
@@ -90,7 +90,7 @@ PRICED = {**CONFIG,
 
 @pytest.fixture
 def priced() -> Gateway:
-    return Gateway(parse_config(PRICED, env={"POOL_KEY": "p"}), LeastInFlight(random.Random(0)))
+    return Gateway(parse_config(PRICED, env={"POOL_KEY": "p"}), Picker(random.Random(0)))
 
 
 @pytest.mark.parametrize("asked, granted", [
@@ -180,7 +180,7 @@ async def test_a_bug_after_admission_gives_the_slot_back_and_answers_500(monkeyp
 
     solo = {**CONFIG, "tenants": [{"name": "team-s", "keys": [{"sha256": hash_key("sk-s").hex()}],
                                    "limits": {"concurrency": 1}}]}
-    gateway = Gateway(parse_config(solo, env={"POOL_KEY": "p"}), LeastInFlight(random.Random(0)))
+    gateway = Gateway(parse_config(solo, env={"POOL_KEY": "p"}), Picker(random.Random(0)))
     store = MemoryStore()
     servicer = ExternalProcessor(gateway, store)
 
@@ -205,7 +205,7 @@ def test_large_bodies_are_handed_to_the_shell_for_analysis() -> None:
     from extproc.decisions import Analyze
 
     document = {**DOCUMENT, "server": {**CONFIG["server"], "max_body_bytes": 1 << 20, "offload_body_bytes": 1024}}
-    gateway = Gateway(parse_config(document, env={"POOL_KEY": "p"}), LeastInFlight(random.Random(0)))
+    gateway = Gateway(parse_config(document, env={"POOL_KEY": "p"}), Picker(random.Random(0)))
     state = gateway.new_request()
     gateway.request_headers(state, post_headers(authorization=f"Bearer {KEY}"), False)
     big = orjson.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x " * 1000}]})

@@ -16,7 +16,7 @@ from extproc.auth import presented_key
 from extproc.config import hash_key, load_config, parse_config
 from extproc.decisions import Continue, Reply
 from extproc.gateway import Gateway
-from extproc.routing.picker import LeastInFlight
+from extproc.routing.picker import Picker
 from tests.helpers import CONFIG, post_headers
 
 KEY_A, KEY_B = "sk-team-a", "sk-team-b"
@@ -34,7 +34,7 @@ CHAT = b'{"model": "llama-3-8b-instruct", "messages": [{"role": "user", "content
 @pytest.fixture
 def gateway() -> Gateway:
     config = parse_config(WITH_TENANTS, env={"POOL_KEY": "p", "TEAM_B_KEY": KEY_B})
-    return Gateway(config, LeastInFlight(random.Random(0)))
+    return Gateway(config, Picker(random.Random(0)))
 
 
 @pytest.mark.parametrize(
@@ -104,7 +104,7 @@ async def test_revoked_key_stops_working_after_reload(tmp_path: Path) -> None:
     path = tmp_path / "llmgw.yaml"
     path.write_text(yaml.safe_dump(WITH_TENANTS))
     os.environ["TEAM_B_KEY"], os.environ["POOL_KEY"] = KEY_B, "p"
-    gateway = Gateway(load_config(path), LeastInFlight())
+    gateway = Gateway(load_config(path), Picker())
     watcher = asyncio.create_task(watch_config(path, gateway, interval=0.02))
     try:
         revoked = {**WITH_TENANTS, "tenants": WITH_TENANTS["tenants"][1:]}  # team-a's key is gone

@@ -9,7 +9,7 @@ import pytest
 
 from extproc.config import ConfigError, parse_config
 from extproc.phases import Phase, ProtocolError, Stage, advance, check
-from extproc.routing.picker import LeastInFlight
+from extproc.routing.picker import Picker
 from extproc.telemetry.tracecontext import continue_or_start, request_id
 from tests.helpers import CONFIG
 
@@ -43,7 +43,7 @@ def test_generated_request_id_is_a_uuid() -> None:
 
 
 def test_picker_ties_are_random_but_balanced() -> None:
-    picker = LeastInFlight(random.Random(7))
+    picker = Picker(random.Random(7))
     endpoints = ("a:1", "b:1", "c:1")
     picks = Counter(picker.pick(endpoints) for _ in range(30))
     assert picks == {"a:1": 10, "b:1": 10, "c:1": 10}  # never more than one apart while nothing ends

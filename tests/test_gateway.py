@@ -11,7 +11,7 @@ from extproc.decisions import Continue, Reply
 from extproc.gateway import Gateway
 from extproc.state import RequestState
 from extproc.validation import DESTINATION_HEADER
-from extproc.routing.picker import LeastInFlight
+from extproc.routing.picker import Picker
 from tests.helpers import deterministic_id_source, make_config, post_headers
 
 CHAT = b'{"model": "llama-3-8b-instruct", "messages": [{"role": "user", "content": "hi"}]}'
@@ -19,7 +19,7 @@ CHAT = b'{"model": "llama-3-8b-instruct", "messages": [{"role": "user", "content
 
 @pytest.fixture
 def gateway() -> Gateway:
-    return Gateway(make_config(), LeastInFlight(random.Random(1)), deterministic_id_source())
+    return Gateway(make_config(), Picker(random.Random(1)), deterministic_id_source())
 
 
 def through_body(gateway: Gateway, body: bytes, **headers: str) -> tuple[RequestState, Continue | Reply]:

@@ -19,7 +19,7 @@ from google.protobuf.json_format import MessageToDict
 
 from extproc.gateway import Gateway
 from extproc.routing.decision import METADATA_NAMESPACE
-from extproc.routing.picker import LeastInFlight
+from extproc.routing.picker import Picker
 from extproc.server import ExternalProcessor
 from tests.helpers import deterministic_id_source, make_config, post_headers, request_body, request_headers
 
@@ -54,7 +54,7 @@ class _Context:
 
 
 async def _run(messages: list[pb.ProcessingRequest]) -> list[dict[str, object]]:
-    gateway = Gateway(make_config(), LeastInFlight(random.Random(0)), deterministic_id_source())
+    gateway = Gateway(make_config(), Picker(random.Random(0)), deterministic_id_source())
 
     async def requests() -> AsyncIterator[pb.ProcessingRequest]:
         for message in messages:

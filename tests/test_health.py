@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from extproc.routing.health import BACKOFF_S, MAX_BACKOFF_S, EndpointHealth
-from extproc.routing.picker import LeastInFlight
+from extproc.routing.picker import Picker
 
 PODS = ("a:1", "b:1", "c:1")
 
@@ -59,7 +59,7 @@ def test_all_bad_means_all_are_tried() -> None:
 
 
 def test_fallback_is_the_least_loaded_other_endpoint() -> None:
-    picker = LeastInFlight(random.Random(1))
+    picker = Picker(random.Random(1))
     first = picker.pick(PODS)
     second = picker.pick(PODS)
     fallback = picker.fallback(PODS, first)

@@ -17,7 +17,7 @@ from extproc.decisions import Admit, Continue
 from extproc.gateway import Gateway
 from extproc.routing.explain import explain
 from extproc.routing.features import PromptFeatures, extract, language_of
-from extproc.routing.picker import LeastInFlight
+from extproc.routing.picker import Picker
 from extproc.routing.rules import Match, Range, RouteContext, Rule, choose
 from tests.helpers import post_headers
 
@@ -129,7 +129,7 @@ def test_route_config_errors_name_the_field(change, message: str) -> None:  # no
 
 @pytest.fixture
 def gateway() -> Gateway:
-    return Gateway(parse_config(BASE, env={}), LeastInFlight(random.Random(0)))
+    return Gateway(parse_config(BASE, env={}), Picker(random.Random(0)))
 
 
 def route(gateway: Gateway, body: dict[str, object], key: str = "sk-gold") -> Continue:
@@ -168,7 +168,7 @@ def test_the_gateway_routes_by_rule(gateway: Gateway, body: dict[str, object], r
 
 def test_an_unknown_model_no_rule_takes_is_still_404() -> None:
     document = {**BASE, "routes": BASE["routes"][:1]}
-    gateway = Gateway(parse_config(document, env={}), LeastInFlight())
+    gateway = Gateway(parse_config(document, env={}), Picker())
     state = gateway.new_request()
     gateway.request_headers(state, post_headers(authorization="Bearer sk-gold"), False)
     reply = gateway.request_body(state, orjson.dumps({"model": "auto", "messages": [user("plain")]}))
@@ -184,7 +184,8 @@ def test_explain_lists_every_rule_tried_and_why() -> None:
     first = result["rules"][0]["conditions"][0]
     assert first == {"condition": "models", "holds": False, "request": "gpt-4o-mini"}
     assert result["decision"] == {"model": "llama-3-8b-instruct", "pool": "long", "rule": "gold-json",
-                                  "why": "rule 'gold-json' matched"}
+                                  "intent": None, "score": None, "why": "rule 'gold-json' matched"}
+    assert result["intents"] is None
     assert result["features"]["json_output"] is True and result["features"]["tenant_tags"] == {"tier": "gold"}
 
 

@@ -19,7 +19,7 @@ from extproc.config import hash_key, parse_config
 from extproc.gateway import Gateway
 from extproc.ledger import UsageRecord
 from extproc.quota import MemoryStore
-from extproc.routing.picker import LeastInFlight
+from extproc.routing.picker import Picker
 from extproc.server import ExternalProcessor
 from extproc.sinks import Settlement
 from tests.helpers import CONFIG, post_headers, request_body, request_headers
@@ -48,7 +48,7 @@ class Worker:
 
     def __init__(self, store: MemoryStore) -> None:
         config = parse_config(DOCUMENT, env={"POOL_KEY": "p"})
-        self.gateway = Gateway(config, LeastInFlight(random.Random(0)))
+        self.gateway = Gateway(config, Picker(random.Random(0)))
         self.ledger = ListLedger()
         self.settlement = Settlement(self.gateway, store, self.ledger)  # type: ignore[arg-type]
         self.extproc = ExternalProcessor(self.gateway, store, self.settlement)

@@ -12,7 +12,7 @@ import pytest
 from extproc.decisions import Continue
 from extproc.gateway import Gateway
 from extproc.routing.decision import STRIP_USAGE_HEADER
-from extproc.routing.picker import LeastInFlight
+from extproc.routing.picker import Picker
 from tests.helpers import deterministic_id_source, make_config, post_headers
 
 MODEL, ALIAS = "llama-3-8b-instruct", "gpt-4o-mini"
@@ -21,7 +21,7 @@ ASKED = {"include_usage": True}
 
 
 def route(body: dict[str, Any], path: str = "/v1/chat/completions") -> Continue:
-    gateway = Gateway(make_config(), LeastInFlight(random.Random(1)), deterministic_id_source())
+    gateway = Gateway(make_config(), Picker(random.Random(1)), deterministic_id_source())
     state = gateway.new_request()
     assert isinstance(gateway.request_headers(state, post_headers(path), False), Continue)
     decision = gateway.request_body(state, orjson.dumps(body))
@@ -80,6 +80,6 @@ def test_alias_without_stream_rewrites_only_the_model() -> None:
 
 
 def test_a_client_copy_of_the_mark_is_stripped() -> None:
-    gateway = Gateway(make_config(), LeastInFlight(random.Random(1)), deterministic_id_source())
+    gateway = Gateway(make_config(), Picker(random.Random(1)), deterministic_id_source())
     decision = gateway.request_headers(gateway.new_request(), post_headers(**{STRIP_USAGE_HEADER: "1"}), False)
     assert isinstance(decision, Continue) and STRIP_USAGE_HEADER in decision.remove_headers

@@ -13,9 +13,12 @@ import time
 from collections import OrderedDict
 
 from extproc.accounting import Decision
+from extproc.api import ApiError
+from extproc.body import BodyFacts
+from extproc.config import Pool
 from extproc.decisions import Continue
 from extproc.routing.health import EndpointHealth
-from extproc.routing.picker import EndpointPicker
+from extproc.routing.picker import EndpointPicker, PickRequest
 from extproc.state import RequestState
 from extproc.telemetry.tracecontext import baggage
 from extproc.validation import DESTINATION_HEADER
@@ -26,7 +29,8 @@ POOL_HEADER = "x-llmgw-pool"
 DECISION_HEADER = "x-llmgw-decision"
 TENANT_HEADER = "x-llmgw-tenant"
 ROUTE_DIRECT = "direct"
-RULE_MODEL = "model"  # the pool of the model the client named (routing rules come next)
+RULE_MODEL = "model"  # no rule matched: the model the client named, in its own pool
+RULE_INTENTS = "intents"  # no rule matched: semantic routing (the client named ``intents.model_name``)
 # Set on a request whose usage chunk the gateway asked for: the Lua filter of envoy/envoy.yaml
 # removes the header before the pod, and the chunk (`"choices":[]` with a `usage` object) before
 # the client. x-llmgw-* from a client is stripped first, so it cannot be forged.
@@ -50,10 +54,11 @@ class Router:
         facts, model, trace, pool = state.facts, state.model, state.trace, state.pool
         assert facts is not None and model is not None and trace is not None and pool is not None
         usable = self.health.usable(pool.endpoints)
-        endpoint = state.endpoint = self.picker.pick(usable)
+        request = PickRequest(model.name, facts.prefix, pool.picker, pool.draining, model.lora)
+        endpoint = state.endpoint = self.picker.pick(usable, request)
         # Envoy's override_host policy tries the listed hosts in order, one per attempt: a pod that
         # refuses the connection or resets before answering is retried once on the fallback.
-        fallback = self.picker.fallback(usable, endpoint)
+        fallback = self.picker.fallback(usable, endpoint, request)
         destination = endpoint if fallback is None else f"{endpoint},{fallback}"
         tenant = state.tenant.name if state.tenant is not None else ""
         set_headers: list[tuple[str, str]] = [
@@ -62,7 +67,8 @@ class Router:
             (MODEL_HEADER, model.name),
             (POOL_HEADER, pool.name),
             # what was decided and why, copied onto the response by Envoy (envoy.yaml)
-            (DECISION_HEADER, f"rule={facts.rule or RULE_MODEL}; model={model.name}; pool={pool.name}"),
+            (DECISION_HEADER, decision_header(facts.rule or _rule_of(facts), facts.intent, facts.score,
+                                              model.name, pool.name)),
             # W3C baggage for the pod: the seeds' "trace colouring" (batch id joins when batching lands)
             ("baggage", baggage(_baggage_items(state.request_id, model.version, tenant))),
         ]
@@ -82,6 +88,25 @@ class Router:
         self._picked[state.id] = (decision, time.monotonic() + self.forget_after_s)
         return Continue(set_headers=tuple(set_headers), body=new_body, clear_route_cache=True,
                         metadata=((METADATA_NAMESPACE, decision.metadata()),))
+
+    def shed(self, pool: Pool, qos: str) -> ApiError | None:
+        """QoS shedding: a 429 when the pool's pods have more requests waiting on average than
+        class ``qos`` may queue behind (``pools[].shed``); None to go on. Pods whose state is
+        unknown are left out of the average; with none known, nothing is shed."""
+        depth = pool.shed_depth(qos)
+        if depth is None:
+            return None
+        states = self.picker.states
+        waiting = [s.waiting for s in (states.get(e) for e in pool.endpoints if e not in pool.draining)
+                   if s is not None]
+        if not waiting:
+            return None
+        mean = sum(waiting) / len(waiting)
+        if mean <= depth:
+            return None
+        return ApiError(429, f"Pool {pool.name!r} is overloaded ({mean:.1f} requests waiting per pod); "
+                        f"{qos or 'default'} requests are shed past {depth:g}. Please try again in 1s.",
+                        type="requests", code="pool_overloaded")
 
     def ended(self, record_id: str) -> None:
         """The request ``record_id`` ended (its access-log entry came): its pick is released."""
@@ -128,11 +153,26 @@ def decision_of(state: RequestState, endpoint: str = "") -> Decision:
         id=state.id, request_id=state.request_id, started_ns=state.started_ns, path=state.path,
         model=facts.model if facts is not None else "", served_model=model.name if model is not None else "",
         model_version=model.version if model is not None else "", pool=pool.name if pool is not None else "",
-        endpoint=endpoint, rule=(facts.rule or RULE_MODEL) if model is not None and facts is not None else "",
+        endpoint=endpoint, rule=(facts.rule or _rule_of(facts)) if model is not None and facts is not None else "",
         stream=facts.stream if facts is not None else False,
         input_tokens=facts.input_tokens if facts is not None else 0,
         max_tokens=facts.output_limit if facts is not None else None, n=facts.n if facts is not None else 1,
         tenant=state.tenant.name if state.tenant is not None else "", qos=state.qos,
         trace_id=trace.trace_id if trace else "", span_id=trace.span_id if trace else "",
         parent_span_id=(trace.parent_span_id or "") if trace else "", sampled=state.sampled,
-        lease=state.lease, phases=tuple(state.phases))
+        lease=state.lease, phases=tuple(state.phases), intent=facts.intent if facts is not None else "",
+        score=facts.score if facts is not None else None)
+
+
+def _rule_of(facts: BodyFacts) -> str:
+    return RULE_INTENTS if facts.intent else RULE_MODEL
+
+
+def decision_header(rule: str, intent: str, score: float | None, model: str, pool: str) -> str:
+    """``x-llmgw-decision``: what chose the model and pool, and how sure semantic routing was."""
+    out = f"rule={rule}"
+    if intent:
+        out += f"; intent={intent}"
+    if score is not None:
+        out += f"; score={score:.3f}"
+    return f"{out}; model={model}; pool={pool}"

@@ -82,6 +82,21 @@ def extract(raw: dict[str, Any]) -> PromptFeatures:
         json_output=format_type != "text" or json_words, language=language_of(last_user))
 
 
+def intent_text(raw: dict[str, Any], limit: int) -> str:
+    """What semantic routing classifies: the last user turn (a completion's prompt, an embedding's
+    input), its first ``limit`` characters."""
+    messages = raw.get("messages")
+    if isinstance(messages, list):
+        for message in reversed(messages):
+            if isinstance(message, dict) and message.get("role") == "user":
+                return _text_of(message.get("content"), set())[:limit]
+        return ""
+    prompt = raw.get("prompt", raw.get("input"))
+    if isinstance(prompt, list):
+        prompt = next((p for p in prompt if isinstance(p, str)), "")
+    return prompt[:limit] if isinstance(prompt, str) else ""
+
+
 def _text_of(content: Any, modalities: set[str]) -> str:
     """A message's text; its media parts are noted in ``modalities``."""
     if isinstance(content, str):

@@ -114,6 +114,7 @@ class Rule:
     match: Match
     model: str  # a configured model's served name
     pool: str  # the model's own pool unless the rule names another
+    intents: bool = False  # classify the prompt: an intent's model wins, else this rule's
 
 
 @dataclass(frozen=True, slots=True)

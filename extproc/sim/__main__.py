@@ -60,6 +60,11 @@ def parse_args(argv: Sequence[str] | None = None) -> SimOptions:
     cost.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
     p.add_argument("--embedding-dim", type=int, default=DEFAULT_EMBEDDING_DIM,
                    help="width of /v1/embeddings vectors")
+    lora = p.add_argument_group("LoRA adapters (vLLM's flags)")
+    lora.add_argument("--enable-lora", action="store_true")
+    lora.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+                      help="adapters a request may name as its model")
+    lora.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one batch")
     cost.add_argument("--time-scale", type=float, default=1.0,
                       help="multiplies all simulated GPU time; 0 = instant")
     out = p.add_argument_group("output length")
@@ -105,9 +110,19 @@ def parse_args(argv: Sequence[str] | None = None) -> SimOptions:
                                crash_after=args.crash_after),
             seed=args.seed,
             record=args.record,
+            enable_lora=args.enable_lora,
+            lora_modules=tuple(args.lora_modules),
+            max_loras=args.max_loras,
         )
     except ValueError as err:
         p.error(str(err))
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not (sep and name and path):
+        raise argparse.ArgumentTypeError(f"not NAME=PATH: {text!r}")
+    return name, path
 
 
 async def serve(options: SimOptions) -> None:

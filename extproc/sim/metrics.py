@@ -11,7 +11,11 @@ One ``CollectorRegistry`` per app, no global registry. Every series carries vLLM
   prometheus_client appends ``_total`` to counters, as vLLM's output shows;
 * histograms ``vllm:time_to_first_token_seconds``, ``vllm:time_per_output_token_seconds``,
   ``vllm:e2e_request_latency_seconds``, ``vllm:request_prompt_tokens``,
-  ``vllm:request_generation_tokens``, ``vllm:iteration_tokens_total``.
+  ``vllm:request_generation_tokens``, ``vllm:iteration_tokens_total``;
+* with LoRA enabled only, the gauge ``vllm:lora_requests_info`` with vLLM's labels
+  ``max_lora``, ``waiting_lora_adapters`` and ``running_lora_adapters`` (comma-separated names)
+  and no others, set to the time of the update. As in vLLM, a series with earlier labels keeps
+  its earlier time: a reader takes the sample with the latest value.
 
 As in vLLM, counts are per engine sequence: a request with ``n`` choices counts ``n`` times.
 """
@@ -51,7 +55,7 @@ def build_1_2_5_buckets(max_value: int) -> list[float]:
 class SimMetrics:
     """The pod's Prometheus metrics, bound to one served model name."""
 
-    def __init__(self, model_name: str, max_model_len: int) -> None:
+    def __init__(self, model_name: str, max_model_len: int, max_loras: int | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = (model_name, "0")
         reg = self.registry
@@ -99,6 +103,10 @@ class SimMetrics:
                               "Histogram of time per output token in seconds.", _TPOT_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds",
                              "Histogram of e2e request latency in seconds.", _LATENCY_BUCKETS)
+        self.max_loras = max_loras
+        self.lora_info = None if max_loras is None else Gauge(
+            "vllm:lora_requests_info", "Running stats on lora requests.",
+            ("max_lora", "waiting_lora_adapters", "running_lora_adapters"), registry=reg)
 
     def refresh_gauges(self, scheduler: Scheduler) -> None:
         """Scheduler gauges, read at scrape time (always current, and free between scrapes)."""
@@ -107,6 +115,9 @@ class SimMetrics:
         usage = scheduler.pool.usage
         self.kv_cache_usage.set(usage)
         self.gpu_cache_usage.set(usage)
+        if self.lora_info is not None:
+            self.lora_info.labels(str(self.max_loras), ",".join(sorted(scheduler.waiting_loras)),
+                                  ",".join(sorted(scheduler.running_loras))).set_to_current_time()
 
     def record_step(self, result: StepResult, _scheduler: Scheduler) -> None:
         """Token and prefix-cache counters after one engine step."""

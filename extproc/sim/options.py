@@ -33,12 +33,20 @@ class SimOptions:
     faults: FaultConfig = field(default_factory=FaultConfig)
     seed: int = 0
     record: int = 0
+    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path): vLLM --lora-modules name=path
+    max_loras: int = 1  # distinct adapters in one batch (vLLM --max-loras, default 1)
 
     @property
     def served_models(self) -> tuple[str, ...]:
         """Every name the pod answers to (vLLM ``--served-model-name`` with several names);
         the first one labels the metrics."""
         return (self.model, *(m for m in self.extra_models if m != self.model))
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        """LoRA adapter name -> path; requests may name an adapter as their ``model``."""
+        return dict(self.lora_modules)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINE_KINDS:
@@ -53,6 +61,14 @@ class SimOptions:
             raise ValueError("max_model_len: must be >= 1")
         if self.embedding_dim < 1:
             raise ValueError("embedding_dim: must be >= 1")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules: needs enable_lora")
+        if self.max_loras < 1:
+            raise ValueError("max_loras: must be >= 1")
+        names = [name for name, _ in self.lora_modules]
+        clash = next((n for n in names if names.count(n) > 1 or n in self.served_models), None)
+        if clash is not None:
+            raise ValueError(f"lora_modules: name {clash!r} is already served")
         if self.cost.kv_cache_tokens < self.max_model_len:
             # vLLM refuses to start when one max-length sequence cannot fit in the KV cache.
             raise ValueError(f"kv_cache_tokens ({self.cost.kv_cache_tokens}) must hold "

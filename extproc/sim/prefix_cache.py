@@ -9,6 +9,7 @@ allocations need its room. KV usage counts active blocks only, like ``vllm:kv_ca
 
 from __future__ import annotations
 
+import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,11 +18,13 @@ from dataclasses import dataclass
 _ROOT_HASH = 0
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+def block_hashes(token_ids: Sequence[int], block_size: int, lora: str | None = None) -> list[int]:
     """Chained hashes of the full ``block_size`` blocks of ``token_ids`` (a partial tail is
-    not hashed). Python's hash of a tuple of ints is stable across runs (no PYTHONHASHSEED)."""
+    not hashed). Python's hash of a tuple of ints is stable across runs (no PYTHONHASHSEED).
+    vLLM puts a LoRA adapter's name in every block's hash (extra keys), so an adapter never
+    shares cached blocks with the base model or another adapter: here it seeds the chain."""
     hashes: list[int] = []
-    parent = _ROOT_HASH
+    parent = _ROOT_HASH if lora is None else zlib.crc32(lora.encode()) + 1
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash((parent, tuple(token_ids[start:start + block_size])))
         hashes.append(parent)

@@ -159,23 +159,30 @@ def embedding_list(head: ResponseHead, embeddings: list[list[float]] | list[str]
     })
 
 
-def model_list(models: tuple[str, ...], created: int, max_model_len: int) -> bytes:
+def model_list(models: tuple[str, ...], created: int, max_model_len: int,
+               adapters: dict[str, str] | None = None) -> bytes:
     """``GET /v1/models`` as vLLM answers it: one card per served name, ``owned_by: vllm``,
-    ``root`` the model the names serve."""
+    ``root`` the model the names serve; then one per LoRA adapter (name -> path), with
+    ``root`` its path, ``parent`` the base model and no ``max_model_len``."""
+    base = models[0]
     return orjson.dumps({
         "object": "list",
-        "data": [_model_card(model, models[0], created, max_model_len) for model in models],
+        "data": [
+            *(_model_card(model, base, None, created, max_model_len) for model in models),
+            *(_model_card(name, path, base, created, None) for name, path in (adapters or {}).items()),
+        ],
     })
 
 
-def _model_card(model: str, root: str, created: int, max_model_len: int) -> dict[str, object]:
+def _model_card(model: str, root: str, parent: str | None, created: int,
+                max_model_len: int | None) -> dict[str, object]:
     return {
         "id": model,
         "object": "model",
         "created": created,
         "owned_by": "vllm",
         "root": root,
-        "parent": None,
+        "parent": parent,
         "max_model_len": max_model_len,
         "permission": [{
             "id": f"modelperm-{model}",

@@ -15,6 +15,10 @@ tokens out; ``simulate()`` runs the same schedulers on a virtual clock for tests
 
 Prefix-cache accounting follows vLLM: queries count a prompt's tokens, hits count the tokens
 served from cache, and at least the last prompt token is always recomputed.
+
+LoRA follows vLLM's scheduler: a waiting sequence whose adapter is not in the batch is skipped
+(it keeps its place in the queue, later ones may pass) while the batch already holds
+``max_loras`` distinct adapters.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class SimSequence:
     block_hashes: list[int]
     output_len: int
     index: int = 0
+    lora: str | None = None
     generated: int = 0
     cached_tokens: int = 0
     finished: bool = False
@@ -80,6 +85,16 @@ class Scheduler(Protocol):
         """Sequences not yet admitted."""
         ...
 
+    @property
+    def running_loras(self) -> frozenset[str]:
+        """LoRA adapters of the sequences in the batch."""
+        ...
+
+    @property
+    def waiting_loras(self) -> frozenset[str]:
+        """LoRA adapters of the sequences not yet admitted."""
+        ...
+
     def add(self, seq: SimSequence) -> None:
         """Queue a sequence (FCFS)."""
         ...
@@ -96,8 +111,11 @@ class Scheduler(Protocol):
 class _SchedulerBase:
     """What both policies share: the waiting queue, the KV pool and admission of one sequence."""
 
-    def __init__(self, params: CostParams) -> None:
+    def __init__(self, params: CostParams, max_loras: int = 1) -> None:
+        if max_loras < 1:
+            raise ValueError("max_loras must be >= 1")
         self.params = params
+        self.max_loras = max_loras
         self.pool = KVBlockPool(params.num_blocks, params.block_size)
         self._waiting: deque[SimSequence] = deque()
 
@@ -105,6 +123,15 @@ class _SchedulerBase:
     def num_waiting(self) -> int:
         """Sequences not yet admitted."""
         return len(self._waiting)
+
+    @property
+    def waiting_loras(self) -> frozenset[str]:
+        """LoRA adapters of the sequences not yet admitted."""
+        return frozenset(seq.lora for seq in self._waiting if seq.lora is not None)
+
+    def _lora_blocked(self, seq: SimSequence, loras: set[str]) -> bool:
+        """vLLM: a new adapter may not join a batch that already holds ``max_loras`` of them."""
+        return seq.lora is not None and seq.lora not in loras and len(loras) >= self.max_loras
 
     def add(self, seq: SimSequence) -> None:
         """Queue a sequence (FCFS); it must fit in an empty KV pool."""
@@ -152,14 +179,19 @@ class _SchedulerBase:
 class ContinuousScheduler(_SchedulerBase):
     """Iteration-level batching (Orca / vLLM): admit and retire sequences every step."""
 
-    def __init__(self, params: CostParams) -> None:
-        super().__init__(params)
+    def __init__(self, params: CostParams, max_loras: int = 1) -> None:
+        super().__init__(params, max_loras)
         self._running: list[SimSequence] = []
 
     @property
     def num_running(self) -> int:
         """Sequences in the running batch."""
         return len(self._running)
+
+    @property
+    def running_loras(self) -> frozenset[str]:
+        """LoRA adapters of the sequences in the batch."""
+        return frozenset(seq.lora for seq in self._running if seq.lora is not None)
 
     def abort(self, seq: SimSequence) -> None:
         """Drop a sequence wherever it is and release its KV blocks."""
@@ -172,8 +204,13 @@ class ContinuousScheduler(_SchedulerBase):
         """Admit what fits, then advance every running sequence by one token."""
         result = StepResult(duration_s=0.0, batch_size=0)
         params = self.params
+        loras = set(self.running_loras)
+        skipped: list[SimSequence] = []
         while self._waiting and len(self._running) < params.max_num_seqs:
             seq = self._waiting[0]
+            if self._lora_blocked(seq, loras):
+                skipped.append(self._waiting.popleft())  # vLLM skips it; it keeps its place in the queue
+                continue
             new_tokens = seq.prompt_len - self._hit_blocks(seq) * params.block_size
             # A prompt larger than the budget is still admitted when it would be first.
             if result.admitted and result.prefill_tokens + new_tokens > params.max_num_batched_tokens:
@@ -182,6 +219,9 @@ class ContinuousScheduler(_SchedulerBase):
                 break
             self._waiting.popleft()
             self._running.append(seq)
+            if seq.lora is not None:
+                loras.add(seq.lora)
+        self._waiting.extendleft(reversed(skipped))
         batch = self._running
         result.batch_size = len(batch)
         result.duration_s = params.step_time(len(batch), result.prefill_tokens)
@@ -202,14 +242,19 @@ class ContinuousScheduler(_SchedulerBase):
 class StaticScheduler(_SchedulerBase):
     """Static batching: one batch runs until its longest member is done."""
 
-    def __init__(self, params: CostParams) -> None:
-        super().__init__(params)
+    def __init__(self, params: CostParams, max_loras: int = 1) -> None:
+        super().__init__(params, max_loras)
         self._batch: list[SimSequence] = []
 
     @property
     def num_running(self) -> int:
         """Unfinished sequences of the current batch."""
         return sum(1 for seq in self._batch if not seq.finished)
+
+    @property
+    def running_loras(self) -> frozenset[str]:
+        """LoRA adapters of the unfinished sequences of the batch."""
+        return frozenset(seq.lora for seq in self._batch if seq.lora is not None and not seq.finished)
 
     def abort(self, seq: SimSequence) -> None:
         """Drop a sequence; inside a batch it stops generating but keeps its padded slot."""
@@ -224,10 +269,19 @@ class StaticScheduler(_SchedulerBase):
         """Form a batch when none runs, then advance its unfinished members by one token."""
         result = StepResult(duration_s=0.0, batch_size=0)
         if not self._batch:
+            loras: set[str] = set()
+            skipped: list[SimSequence] = []
             while self._waiting and len(self._batch) < self.params.max_num_seqs:
-                if not self._try_admit(self._waiting[0], result):
+                seq = self._waiting[0]
+                if self._lora_blocked(seq, loras):
+                    skipped.append(self._waiting.popleft())
+                    continue
+                if not self._try_admit(seq, result):
                     break
                 self._batch.append(self._waiting.popleft())
+                if seq.lora is not None:
+                    loras.add(seq.lora)
+            self._waiting.extendleft(reversed(skipped))
         if not self._batch:
             return result
         # Finished members are padding: they still cost a slot in every step of the batch.
@@ -251,12 +305,12 @@ class StaticScheduler(_SchedulerBase):
             self._batch = []
 
 
-def make_scheduler(kind: EngineKind, params: CostParams) -> Scheduler:
+def make_scheduler(kind: EngineKind, params: CostParams, max_loras: int = 1) -> Scheduler:
     """The scheduler named ``kind`` ("continuous" or "static")."""
     if kind == "continuous":
-        return ContinuousScheduler(params)
+        return ContinuousScheduler(params, max_loras)
     if kind == "static":
-        return StaticScheduler(params)
+        return StaticScheduler(params, max_loras)
     raise ValueError(f"engine: unknown kind {kind!r} (expected one of {ENGINE_KINDS})")
 
 

@@ -89,8 +89,9 @@ class SimPod:
                  exit_process: Callable[[], None] = _exit_hard) -> None:
         self.options = options
         self.tokenizer = tokenizer
-        self.metrics = SimMetrics(options.model, options.max_model_len)
-        self.scheduler = make_scheduler(options.engine, options.cost)
+        self.metrics = SimMetrics(options.model, options.max_model_len,
+                                  options.max_loras if options.enable_lora else None)
+        self.scheduler = make_scheduler(options.engine, options.cost, options.max_loras)
         self.engine = SimEngine(self.scheduler, options.time_scale, self.metrics.record_step,
                                 self._on_sequence_finished)
         self.faults = FaultInjector(options.faults, random.Random(f"faults:{options.seed}"))
@@ -100,9 +101,10 @@ class SimPod:
             deque(maxlen=options.record) if options.record else None)
         self.created = int(time.time())
         self._closing = asyncio.Event()
-        self._served = frozenset(options.served_models)
+        self._adapters = options.adapters
+        self._served = frozenset(options.served_models) | self._adapters.keys()
         self._models_body = responses.model_list(options.served_models, self.created,
-                                                 options.max_model_len)
+                                                 options.max_model_len, self._adapters)
 
     # -- wiring -------------------------------------------------------------------------------
 
@@ -216,6 +218,10 @@ class SimPod:
             raise _HttpError(404, "NotFoundError", f"The model `{model}` does not exist.", "model")
         return model
 
+    def _lora(self, model: str) -> str | None:
+        """The LoRA adapter a request names as its model, else None (the base model)."""
+        return model if model in self._adapters else None
+
     async def _generate(self, request: web.Request, endpoint: Endpoint, body: object,
                         request_id: str, arrived: float, spike_s: float) -> web.StreamResponse:
         try:
@@ -228,7 +234,7 @@ class SimPod:
         if spike_s:
             await asyncio.sleep(spike_s)
 
-        tracker = self._plan(parsed, prompt_ids, max_tokens, arrived)
+        tracker = self._plan(parsed, prompt_ids, max_tokens, arrived, self._lora(model))
         head = responses.ResponseHead(
             id=f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{request_id}",
             created=int(time.time()),
@@ -272,7 +278,9 @@ class SimPod:
             await asyncio.sleep(spike_s)
         # The pooling pass is a prefill; it is modelled as a sequence with one output step.
         block_size = self.options.cost.block_size
-        seqs = [SimSequence(prompt_len=len(ids), block_hashes=block_hashes(ids, block_size), output_len=1)
+        lora = self._lora(model)
+        seqs = [SimSequence(prompt_len=len(ids), block_hashes=block_hashes(ids, block_size, lora),
+                            output_len=1, lora=lora)
                 for ids in prompt_ids]
         tracker = RequestTracker(seqs, [_POOLING_PLAN] * len(seqs), False, arrived)
         self.engine.submit(tracker)
@@ -340,7 +348,7 @@ class SimPod:
         return parsed.max_tokens
 
     def _plan(self, parsed: GenerationRequest, prompt_ids: list[list[int]], max_tokens: int,
-              arrived: float) -> RequestTracker:
+              arrived: float, lora: str | None) -> RequestTracker:
         params = SamplingParams(max_tokens=max_tokens, temperature=parsed.temperature,
                                 seed=parsed.seed, stop=parsed.stop, ignore_eos=parsed.ignore_eos,
                                 min_tokens=parsed.min_tokens)
@@ -352,13 +360,13 @@ class SimPod:
         # OpenAI/vLLM order: choice index = prompt_index * n + i.
         for ids in prompt_ids:
             key = prompt_key(ids)
-            hashes = block_hashes(ids, block_size)
+            hashes = block_hashes(ids, block_size, lora)
             for i in range(parsed.n):
                 plan = plan_output(words, lengths, params, choice_seed(params, fallback_seed, key, i),
                                    ignore_eos=self.options.ignore_eos, opening=chat)
                 plans.append(plan)
                 seqs.append(SimSequence(prompt_len=len(ids), block_hashes=hashes,
-                                        output_len=len(plan.token_ids)))
+                                        output_len=len(plan.token_ids), lora=lora))
         return RequestTracker(seqs, plans, parsed.stream, arrived)
 
     def _usage(self, parsed: GenerationRequest, tracker: RequestTracker,

@@ -279,7 +279,8 @@ class HungPod:
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
                 await writer.drain()
                 continue
-            self.requests += 1
+            if head.startswith(b"POST "):  # an inference request (not the scrape of /metrics, /v1/models)
+                self.requests += 1
             await reader.read()  # hold the connection open, answer nothing
 
     def close(self) -> None:

@@ -58,3 +58,56 @@ def test_rules_route_through_envoy(routed: StackInfo, model: str, prompt: str, r
     assert raw.headers["x-llmgw-pool"] == pool
     assert raw.headers["x-llmgw-decision"] == f"rule={rule}; model={served}; pool={pool}"
     assert _served_by(routed, pool, request_id)
+
+
+CODER = "qwen-coder"
+INTENTS = {
+    "pools": [{"name": "local", "simulate": 1}, {"name": "code", "simulate": 1}],
+    "models": [{"name": MODEL, "pool": "local"}, {"name": CODER, "pool": "code"}],
+    "routes": [{"name": "support-tier", "match": {"models": ["support"]}, "model": MODEL, "intents": True}],
+    "intents": {
+        "embedder": {"kind": "hashing"},
+        "default": {"model": MODEL},
+        "routes": [
+            {"name": "code", "model": CODER, "examples": [
+                "fix the bug in my python function", "write a python function that parses json",
+                "why does my javascript code throw a type error", "refactor this java class"]},
+            {"name": "chat", "model": MODEL, "examples": [
+                "tell me a joke about cats", "what should i cook for dinner tonight",
+                "recommend a good novel to read this summer"]},
+        ],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def semantic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
+    with small_stack(tmp_path_factory, "intents", pods=1, extra_config=INTENTS, sim_args=("--record", "50")) as info:
+        yield info
+
+
+@pytest.mark.parametrize(("model", "prompt", "rule", "intent", "served", "pool"), [
+    pytest.param("auto", "please fix the bug in this python function", "intents", "code", CODER, "code",
+                 id="auto, code"),
+    pytest.param("auto", "tell me a joke about dogs", "intents", "chat", MODEL, "local", id="auto, chat"),
+    pytest.param("auto", "zzz qqq", "intents", "default", MODEL, "local", id="auto, no intent"),
+    pytest.param("support", "my javascript code throws a type error", "support-tier", "code", CODER, "code",
+                 id="a rule asking for intents"),
+])
+def test_semantic_routing_through_envoy(semantic: StackInfo, model: str, prompt: str, rule: str, intent: str,
+                                        served: str, pool: str) -> None:
+    client = openai.OpenAI(base_url=f"{semantic.base_url}/v1", api_key="unused", max_retries=0, timeout=30)
+    request_id = f"intent-{uuid.uuid4()}"
+    for stream in (False, True):
+        raw = client.chat.completions.with_raw_response.create(
+            model=model, messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt}],
+            max_tokens=3, stream=stream, extra_headers={"x-request-id": f"{request_id}-{stream}"})
+        if stream:
+            chunks = list(raw.parse())
+            assert chunks and all(chunk.model == served for chunk in chunks)
+        else:
+            assert raw.parse().model == served  # the pod got the chosen model in the body
+        decision = dict(part.split("=", 1) for part in raw.headers["x-llmgw-decision"].split("; "))
+        assert (decision["rule"], decision["intent"], decision["model"], decision["pool"]) == (rule, intent, served, pool)
+        assert -1.0 <= float(decision["score"]) <= 1.0
+        assert _served_by(semantic, pool, f"{request_id}-{stream}")

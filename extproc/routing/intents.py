@@ -1,0 +1,141 @@
+"""Semantic intents: routes described by example utterances, matched by cosine similarity of
+embeddings. Pure (numpy): no I/O beyond what the embedder does.
+
+``IntentIndex`` holds every example's unit vector. A prompt's score for an intent is its cosine
+similarity to that intent's nearest example (``top_k`` > 1: the mean over its k nearest, which
+weighs less on one example that happens to share the prompt's topic). The best intent wins if its
+score reaches the threshold and beats the runner-up intent's by the margin; otherwise there is no
+intent and the caller routes to its default (a prompt between two intents is as uncertain as one
+near none).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from extproc.routing.embedders import Embedder
+
+DEFAULT_MARGIN = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class Intent:
+    """A route described by examples: requests like them go to ``model`` (in ``pool``)."""
+
+    name: str
+    examples: tuple[str, ...]
+    model: str
+    pool: str
+
+
+@dataclass(frozen=True, slots=True)
+class IntentMatch:
+    """The nearest intent and how sure: ``intent`` is None when under the threshold or the margin."""
+
+    intent: Intent | None
+    score: float  # the best intent's score: cosine similarity of its nearest example (or top_k mean)
+    runner_up: float  # the same for the next-best intent (-1.0 with a single intent)
+    best: str  # the best intent's name, even when refused ("" without intents)
+
+
+def decide(intents: Sequence[Intent], scores: np.ndarray, threshold: float, margin: float) -> IntentMatch:
+    """The match for one prompt from its per-intent ``scores`` (aligned with ``intents``)."""
+    if len(intents) == 0:
+        return IntentMatch(None, 0.0, -1.0, "")
+    order = np.argsort(-scores, kind="stable")  # stable: a tie goes to the intent listed first
+    first = int(order[0])
+    second = int(order[1]) if len(order) > 1 else None
+    top = float(scores[first])
+    runner_up = float(scores[second]) if second is not None else -1.0
+    chosen = intents[first] if top >= threshold and top - runner_up >= margin else None
+    return IntentMatch(chosen, round(top, 4), round(runner_up, 4), intents[first].name)
+
+
+class IntentIndex:
+    """Every intent's example vectors, and a bounded LRU cache of prompts already classified
+    (``cache_size`` 0: none). ``threshold`` None takes the embedder's own. Safe to share between
+    threads; the embedder is called outside the cache's lock."""
+
+    def __init__(self, intents: Sequence[Intent], embedder: Embedder, threshold: float | None = None,
+                 margin: float = DEFAULT_MARGIN, cache_size: int = 4096, top_k: int = 1) -> None:
+        self.intents = tuple(intents)
+        for intent in self.intents:
+            if not intent.examples:
+                raise ValueError(f"intent {intent.name!r} has no examples")
+        if top_k < 1:
+            raise ValueError("top_k must be >= 1")
+        self.embedder = embedder
+        self.threshold = embedder.threshold if threshold is None else threshold
+        self.margin = margin
+        self.cache_size = cache_size
+        self.top_k = top_k
+        texts = [example for intent in self.intents for example in intent.examples]
+        self._vectors = embedder.embed(texts) if texts else np.zeros((0, 0), dtype=np.float32)
+        ends = np.cumsum([len(intent.examples) for intent in self.intents])
+        self._spans = [(int(end) - len(intent.examples), int(end))
+                       for intent, end in zip(self.intents, ends, strict=True)]
+        self._cache: OrderedDict[str, IntentMatch] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def scores(self, texts: list[str]) -> np.ndarray:
+        """(len(texts), len(intents)): each text's score for each intent (see the module docstring)."""
+        if not self.intents:
+            return np.zeros((len(texts), 0), dtype=np.float32)
+        similarity = self.embedder.embed(texts) @ self._vectors.T  # (texts, examples)
+        return np.stack([np.sort(similarity[:, start:end], axis=1)[:, -self.top_k:].mean(axis=1)
+                         for start, end in self._spans], axis=1)
+
+    def lookup(self, text: str) -> IntentMatch | None:
+        """The cached match of ``text``, or None (then ``classify`` must embed it)."""
+        with self._lock:
+            match = self._cache.get(text)
+            if match is not None:
+                self._cache.move_to_end(text)
+            return match
+
+    def classify(self, text: str) -> IntentMatch:
+        """The intent of ``text`` (cached by text)."""
+        return self.classify_many([text])[0]
+
+    def classify_many(self, texts: list[str]) -> list[IntentMatch]:
+        """The intent of each text, embedding the ones not cached in one batch."""
+        found: dict[str, IntentMatch] = {}
+        with self._lock:
+            for text in texts:
+                match = self._cache.get(text)
+                if match is not None:
+                    self._cache.move_to_end(text)
+                    found[text] = match
+        missing = list(dict.fromkeys(text for text in texts if text not in found))
+        if missing:
+            scores = self.scores(missing)
+            fresh = {text: decide(self.intents, row, self.threshold, self.margin)
+                     for text, row in zip(missing, scores, strict=True)}
+            found.update(fresh)
+            self._remember(fresh)
+        return [found[text] for text in texts]
+
+    def _remember(self, matches: dict[str, IntentMatch]) -> None:
+        if self.cache_size <= 0:
+            return
+        with self._lock:
+            for text, match in matches.items():
+                self._cache[text] = match
+                self._cache.move_to_end(text)
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+
+    def cache_clear(self) -> None:
+        """Forget every cached match."""
+        with self._lock:
+            self._cache.clear()
+
+    @property
+    def cached(self) -> int:
+        """How many prompts the cache holds."""
+        return len(self._cache)

@@ -1,0 +1,393 @@
+"""What each pod's vLLM says about its load, gathered once per node and shared by every worker.
+
+- ``parse_metrics`` (pure): a pod's Prometheus ``/metrics`` text -> ``PodState`` (queue, KV cache,
+  prefix cache, LoRA adapters), with the model ids its ``/v1/models`` lists.
+- ``PodStates`` (pure): the latest state of each pod as one worker sees it. A state older than
+  ``stale_after_s`` is unknown, never "idle": a pod that stopped answering must not win picks.
+- ``gather_forever`` (the shell): the extproc workers of a node share one snapshot file. The
+  worker holding an exclusive ``flock`` on ``<file>.lock`` is the node's scraper: once per
+  interval it asks every pod for ``/metrics`` and ``/v1/models`` and replaces the file atomically;
+  every worker loads the file when it changed. The kernel drops the lock of a process that dies,
+  so another worker takes over at its next try, within one interval. Rounds are spaced by the
+  ``round_started`` time in the file, so a takeover does not scrape early either (unless the old
+  scraper died between asking the pods and writing the file).
+
+Cost: one scrape of each pod per interval per node, whatever the number of workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import hashlib
+import logging
+import math
+import os
+import stat
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger("llmgw.podstate")
+
+# vLLM's names (vllm/v1/metrics/loggers.py); the second of a pair is the older, deprecated one.
+WAITING = "vllm:num_requests_waiting"
+RUNNING = "vllm:num_requests_running"
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
+PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
+LORA_INFO = "vllm:lora_requests_info"
+_WANTED = frozenset({WAITING, RUNNING, *KV_USAGE, *PREFIX_QUERIES, *PREFIX_HITS, LORA_INFO})
+_SNAPSHOT_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PodState:
+    """One scrape of one pod."""
+
+    endpoint: str  # "host:port"
+    scraped_at: float  # time.time() when the pod answered /metrics
+    waiting: float  # vllm:num_requests_waiting
+    running: float  # vllm:num_requests_running
+    kv_usage: float  # 0..1, vllm:kv_cache_usage_perc (mean over engines)
+    prefix_queries: float  # counter, in tokens
+    prefix_hits: float  # counter, in tokens
+    running_adapters: frozenset[str]
+    waiting_adapters: frozenset[str]
+    max_lora: int  # 0 when the pod reports no LoRA info
+    models: frozenset[str]  # ids from /v1/models (base and adapters); empty when unknown
+
+
+# -- parsing (pure) --------------------------------------------------------------------------
+
+
+def parse_metrics(endpoint: str, text: str, scraped_at: float,
+                  models: frozenset[str] = frozenset()) -> PodState:
+    """A pod's state from its Prometheus text. Gauges and counters are summed over label sets
+    (a pod with several engines), KV usage is their mean; a missing metric or a line the parser
+    refuses counts as absent (0), so any text gives a state."""
+    values: dict[str, list[float]] = {}
+    lora_at, lora_labels = -math.inf, {}
+    for name, labels, value in _samples(text):
+        if name != LORA_INFO:
+            values.setdefault(name, []).append(value)
+        elif value > lora_at:  # vLLM sets the value to the update's time: a stale series stays behind
+            lora_at, lora_labels = value, labels
+    kv = _first(values, KV_USAGE)
+    return PodState(
+        endpoint=endpoint,
+        scraped_at=scraped_at,
+        waiting=float(sum(values.get(WAITING, ()))),
+        running=float(sum(values.get(RUNNING, ()))),
+        kv_usage=min(max(sum(kv) / len(kv), 0.0), 1.0) if kv else 0.0,
+        prefix_queries=float(sum(_first(values, PREFIX_QUERIES))),
+        prefix_hits=float(sum(_first(values, PREFIX_HITS))),
+        running_adapters=_names(lora_labels.get("running_lora_adapters", "")),
+        waiting_adapters=_names(lora_labels.get("waiting_lora_adapters", "")),
+        max_lora=_int(lora_labels.get("max_lora", "0")),
+        models=models,
+    )
+
+
+def parse_models(body: bytes) -> frozenset[str] | None:
+    """The model ids of an OpenAI ``GET /v1/models`` answer; None when it is not one."""
+    try:
+        document = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    data = document.get("data") if isinstance(document, dict) else None
+    if not isinstance(data, list):
+        return None
+    return frozenset(card["id"] for card in data if isinstance(card, dict) and isinstance(card.get("id"), str))
+
+
+def _samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    """Samples of the wanted metrics only: each line is parsed alone, so a bad line costs itself."""
+    for line in text.splitlines():
+        head = line.partition("{")[0].split(maxsplit=1)
+        if not head or head[0] not in _WANTED:
+            continue
+        try:
+            families = list(text_string_to_metric_families(line + "\n"))
+        except ValueError:
+            continue
+        for family in families:
+            for sample in family.samples:
+                if sample.name == head[0] and math.isfinite(sample.value):
+                    yield sample.name, sample.labels, sample.value
+
+
+def _first(values: Mapping[str, list[float]], names: tuple[str, ...]) -> list[float]:
+    # A pod exporting both a name and its deprecated alias must not count twice.
+    return next((values[name] for name in names if name in values), [])
+
+
+def _names(joined: str) -> frozenset[str]:
+    return frozenset(name for name in joined.split(",") if name)
+
+
+def _int(text: str) -> int:
+    try:
+        return max(int(text), 0)
+    except ValueError:
+        return 0
+
+
+# -- what a worker knows (pure) ---------------------------------------------------------------
+
+
+class PodStates:
+    """What every worker reads: the latest snapshot, with a staleness bound."""
+
+    def __init__(self, stale_after_s: float, clock: Callable[[], float] = time.time) -> None:
+        if stale_after_s <= 0:
+            raise ValueError("stale_after_s must be > 0")
+        self.stale_after_s = stale_after_s
+        self._clock = clock
+        self._states: dict[str, PodState] = {}
+
+    def get(self, endpoint: str) -> PodState | None:
+        """The pod's latest state; None when never seen or older than ``stale_after_s``."""
+        state = self._states.get(endpoint)
+        if state is None or self._clock() - state.scraped_at > self.stale_after_s:
+            return None
+        return state
+
+    def update(self, states: Iterable[PodState]) -> None:
+        """Keep the newer of the known and the given state of each pod; forget stale ones."""
+        now = self._clock()
+        merged = {ep: s for ep, s in self._states.items() if now - s.scraped_at <= self.stale_after_s}
+        for state in states:
+            known = merged.get(state.endpoint)
+            if now - state.scraped_at <= self.stale_after_s and (
+                    known is None or state.scraped_at >= known.scraped_at):
+                merged[state.endpoint] = state
+        self._states = merged  # one assignment: a reader sees the old map or the new one
+
+    def snapshot(self) -> dict[str, PodState]:
+        """The fresh states, by endpoint."""
+        now = self._clock()
+        return {ep: s for ep, s in self._states.items() if now - s.scraped_at <= self.stale_after_s}
+
+
+# -- the node's snapshot file -----------------------------------------------------------------
+
+
+def default_state_path(endpoints: Iterable[str]) -> Path:
+    """The snapshot file of this user's workers watching these pods: the workers of a node that
+    are given the same endpoints share it without configuration."""
+    digest = hashlib.sha256("\n".join(sorted(set(endpoints))).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"llmgw-pods-{os.getuid()}-{digest}.json"
+
+
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    round_started: float  # time.time() when the scraper began the round that wrote it
+    pods: tuple[PodState, ...]
+
+
+def _encode(snapshot: _Snapshot) -> bytes:
+    return orjson.dumps({"version": _SNAPSHOT_VERSION, "round_started": snapshot.round_started,
+                         "pods": snapshot.pods}, default=_sorted_set)
+
+
+def _sorted_set(value: object) -> list[str]:
+    if isinstance(value, frozenset):
+        return sorted(value)
+    raise TypeError(f"not JSON: {type(value).__name__}")
+
+
+def _decode(body: bytes) -> _Snapshot:
+    """Raises ValueError, KeyError or TypeError on anything that is not a snapshot of ours."""
+    document = orjson.loads(body)
+    if document["version"] != _SNAPSHOT_VERSION:
+        raise ValueError(f"snapshot version {document['version']!r}")
+    pods = tuple(PodState(
+        endpoint=str(p["endpoint"]), scraped_at=float(p["scraped_at"]), waiting=float(p["waiting"]),
+        running=float(p["running"]), kv_usage=float(p["kv_usage"]),
+        prefix_queries=float(p["prefix_queries"]), prefix_hits=float(p["prefix_hits"]),
+        running_adapters=frozenset(map(str, p["running_adapters"])),
+        waiting_adapters=frozenset(map(str, p["waiting_adapters"])),
+        max_lora=int(p["max_lora"]), models=frozenset(map(str, p["models"])),
+    ) for p in document["pods"])
+    return _Snapshot(float(document["round_started"]), pods)
+
+
+class _NodeFile:
+    """The snapshot file and its lock, as one worker holds them (sync: each call is a syscall or
+    two on a file of a few KiB, cheaper than handing it to a thread)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lock_path = path.with_name(path.name + ".lock")
+        self.leader = False
+        self._loaded: tuple[int, int, int] | None = None
+        self._lock_fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        if os.fstat(self._lock_fd).st_uid != os.getuid():
+            os.close(self._lock_fd)
+            raise PermissionError(f"{self.lock_path} belongs to another user: pod state is not shared through it")
+
+    def close(self) -> None:
+        """Release the lock (another worker becomes the scraper)."""
+        os.close(self._lock_fd)
+
+    def try_lead(self) -> bool:
+        """Take the node's scraper lock if it is free; once held, it is held until ``close``."""
+        if not self.leader:
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            self.leader = True
+            log.info("this worker (pid %d) now scrapes the node's pods into %s", os.getpid(), self.path)
+        return True
+
+    def load_if_changed(self) -> _Snapshot | None:
+        """The file's snapshot when it changed since the last load or write, else None."""
+        try:
+            seen = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        if _identity(seen) == self._loaded:
+            return None
+        if not stat.S_ISREG(seen.st_mode) or seen.st_uid != os.getuid():
+            log.warning("%s is not a file of this user: ignored", self.path)
+            self._loaded = _identity(seen)
+            return None
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as file:
+                self._loaded = _identity(os.fstat(file.fileno()))
+                body = file.read()
+        except OSError as err:
+            log.warning("cannot read the pod snapshot %s: %s", self.path, err)
+            return None
+        try:
+            return _decode(body)
+        except (ValueError, KeyError, TypeError) as err:
+            log.warning("the pod snapshot %s is malformed (%s): ignored", self.path, err)
+            return None
+
+    def write(self, snapshot: _Snapshot) -> None:
+        """Replace the file atomically (a reader sees the old snapshot or the new one)."""
+        fd, temp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as file:
+                file.write(_encode(snapshot))
+                written = os.fstat(file.fileno())
+            os.replace(temp, self.path)
+        except OSError:
+            os.unlink(temp)
+            raise
+        self._loaded = _identity(written)  # no need to read back what this worker wrote
+
+
+def _identity(seen: os.stat_result) -> tuple[int, int, int]:
+    # Each write is a new inode: with mtime and size, a changed file differs even on coarse clocks.
+    return seen.st_ino, seen.st_mtime_ns, seen.st_size
+
+
+# -- scraping (the shell) ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _ScrapeFailed:
+    """A request to a pod that did not answer 2xx in time, and how."""
+
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+async def _fetch(session: aiohttp.ClientSession, url: str) -> bytes | _ScrapeFailed:
+    try:
+        async with session.get(url) as response:
+            if not 200 <= response.status < 300:
+                return _ScrapeFailed(f"HTTP {response.status}")
+            return await response.read()
+    except TimeoutError:  # aiohttp's timeouts are TimeoutErrors
+        return _ScrapeFailed("timed out")
+    except (aiohttp.ClientError, OSError) as err:
+        return _ScrapeFailed(str(err) or type(err).__name__)
+
+
+class _Scraper:
+    """One round: every pod's /metrics and /v1/models, concurrently; logs a pod's failures once."""
+
+    def __init__(self, session: aiohttp.ClientSession) -> None:
+        self._session = session
+        self._failing: set[str] = set()
+
+    async def round(self, endpoints: tuple[str, ...], known: Mapping[str, PodState]) -> dict[str, PodState]:
+        """The new state of each pod; a pod that failed keeps its known state, which ages."""
+        fresh = await asyncio.gather(*(self._scrape(ep, known.get(ep)) for ep in endpoints))
+        pods: dict[str, PodState] = {}
+        for endpoint, state in zip(endpoints, fresh):
+            if state is None:
+                state = known.get(endpoint)
+            if state is not None:
+                pods[endpoint] = state
+        return pods
+
+    async def _scrape(self, endpoint: str, known: PodState | None) -> PodState | None:
+        metrics, models = await asyncio.gather(_fetch(self._session, f"http://{endpoint}/metrics"),
+                                               _fetch(self._session, f"http://{endpoint}/v1/models"))
+        scraped_at = time.time()
+        if isinstance(metrics, _ScrapeFailed):
+            if endpoint not in self._failing:
+                self._failing.add(endpoint)
+                log.warning("pod %s: /metrics failed (%s); its state ages until it answers", endpoint, metrics)
+            return None
+        if endpoint in self._failing:
+            self._failing.discard(endpoint)
+            log.info("pod %s: /metrics answers again", endpoint)
+        ids = None if isinstance(models, _ScrapeFailed) else parse_models(models)
+        if ids is None:  # the load is still worth having; a model list rarely changes
+            ids = known.models if known is not None else frozenset()
+        return parse_metrics(endpoint, metrics.decode("utf-8", "replace"), scraped_at, ids)
+
+
+async def gather_forever(endpoints: Callable[[], tuple[str, ...]], path: Path, interval_s: float,
+                         states: PodStates, timeout_s: float | None = None) -> None:
+    """Keep ``states`` filled from the node's snapshot at ``path``, scraping the pods of
+    ``endpoints()`` whenever this worker holds the node's lock (see the module doc). Workers that
+    share ``path`` must watch the same pods (``default_state_path`` makes sure of it)."""
+    if interval_s <= 0:
+        raise ValueError("interval_s must be > 0")
+    timeout = aiohttp.ClientTimeout(total=min(interval_s, 1.0) if timeout_s is None else timeout_s)
+    node = _NodeFile(path)
+    known: dict[str, PodState] = {}
+    round_started = 0.0
+    try:
+        # Keep-alive: each pod is asked twice per interval; a dead socket fails one round only.
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+            scraper = _Scraper(session)
+            while True:
+                loaded = node.load_if_changed()
+                if loaded is not None:
+                    known = {pod.endpoint: pod for pod in loaded.pods}
+                    round_started = loaded.round_started
+                    states.update(loaded.pods)
+                wait = interval_s
+                if node.try_lead():
+                    # min(): a wall clock stepped back must not hold the next round off for long.
+                    wait = min(round_started + interval_s - time.time(), interval_s)
+                    if wait <= 0:
+                        round_started = time.time()
+                        known = await scraper.round(endpoints(), known)
+                        try:
+                            node.write(_Snapshot(round_started, tuple(known.values())))
+                        except OSError as err:
+                            log.warning("cannot write the pod snapshot %s: %s", node.path, err)
+                        states.update(known.values())
+                        wait = round_started + interval_s - time.time()
+                await asyncio.sleep(max(wait, 0.0))
+    finally:
+        node.close()

