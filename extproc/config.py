@@ -90,7 +90,7 @@ class PickerSpec(_Strict):
 
 
 class PrefixSpec(_Strict):
-    """Prefix affinity: the prompt's leading blocks of ``block_chars`` characters are hashed (each
+    """Prefix affinity: the prompt's leading blocks of ``block_chars`` bytes are hashed (each
     hash covers the whole prefix up to its block) and remembered per pod in a bounded LRU index."""
 
     block_chars: Annotated[int, Field(ge=16, le=65536)] = 256

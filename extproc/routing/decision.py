@@ -55,10 +55,10 @@ class Router:
         assert facts is not None and model is not None and trace is not None and pool is not None
         usable = self.health.usable(pool.endpoints)
         request = PickRequest(model.name, facts.prefix, pool.picker, pool.draining, model.lora)
-        endpoint = state.endpoint = self.picker.pick(usable, request)
         # Envoy's override_host policy tries the listed hosts in order, one per attempt: a pod that
         # refuses the connection or resets before answering is retried once on the fallback.
-        fallback = self.picker.fallback(usable, endpoint, request)
+        endpoint, fallback = self.picker.choose(usable, request)
+        state.endpoint = endpoint
         destination = endpoint if fallback is None else f"{endpoint},{fallback}"
         tenant = state.tenant.name if state.tenant is not None else ""
         set_headers: list[tuple[str, str]] = [

@@ -81,6 +81,10 @@ class EndpointPicker(Protocol):
         """Choose one of ``endpoints`` (never empty) and count a request in flight to it."""
         ...
 
+    def choose(self, endpoints: tuple[str, ...], request: PickRequest = NO_REQUEST) -> tuple[str, str | None]:
+        """``pick``, and the ``fallback`` for it, in one go."""
+        ...
+
     def release(self, endpoint: str) -> None:
         """A request picked earlier has ended (completed, failed or cancelled)."""
         ...
@@ -113,12 +117,27 @@ class Picker:
 
     def pick(self, endpoints: tuple[str, ...], request: PickRequest = NO_REQUEST) -> str:
         """Choose a pod and count the request against it; a scored pick also records its prefix."""
+        return self.choose(endpoints, request)[0]
+
+    def choose(self, endpoints: tuple[str, ...], request: PickRequest = NO_REQUEST) -> tuple[str, str | None]:
+        """``pick`` and ``fallback`` from one ranking: the pod (counted) and the one for Envoy's retry."""
         candidates = self._filter(endpoints, request)
-        chosen = self._choose(candidates, request, None)
+        kind = request.picker.kind
+        if kind == "scored" and len(candidates) > 1:
+            totals = self._totals(candidates, request)
+            best = max(totals)
+            chosen = self._tie([e for e, t in zip(candidates, totals) if t >= best - 1e-9])
+            others = [(t, e) for e, t in zip(candidates, totals) if e != chosen]
+            fallback = max(others)[1] if others else None
+        else:
+            chosen = self._choose(candidates, request, None)
+            fallback = self.fallback(endpoints, chosen, request)
+        if fallback is None and len(endpoints) > len(candidates):  # filtered out, but better than no retry
+            fallback = next((e for e in endpoints if e != chosen), None)
         self._in_flight[chosen] += 1
-        if request.prefix and request.picker.kind == "scored" and request.picker.weights.prefix > 0:
+        if request.prefix and kind == "scored" and request.picker.weights.prefix > 0:
             self.prefixes.record(request.prefix, chosen)
-        return chosen
+        return chosen, fallback
 
     def fallback(self, endpoints: tuple[str, ...], chosen: str, request: PickRequest = NO_REQUEST) -> str | None:
         """The best other pod by the same rule; not counted: it is used only on a retry."""
@@ -141,13 +160,9 @@ class Picker:
         return self._in_flight[endpoint]
 
     def score(self, endpoints: tuple[str, ...], request: PickRequest) -> list[Scored]:
-        """Every pod's weighted scores (after the filters), best first."""
+        """Every pod's weighted scores (after the filters), best first (``llmgw route --explain``)."""
         candidates = self._filter(endpoints, request)
-        weights = request.picker.weights
-        columns = [(name, weight, scorer(self, candidates, request)) for name, weight, scorer in (
-            ("queue", weights.queue, _queue), ("kv_cache", weights.kv_cache, _kv_cache),
-            ("in_flight", weights.in_flight, _in_flight), ("prefix", weights.prefix, _prefix),
-            ("lora", weights.lora, _lora)) if weight > 0]
+        columns = self._columns(candidates, request)
         rows = [Scored(endpoint, sum(weight * values[i] for _, weight, values in columns),
                        tuple((name, round(values[i], 4)) for name, _, values in columns))
                 for i, endpoint in enumerate(candidates)]
@@ -177,9 +192,25 @@ class Picker:
             if exclude is None:
                 self._turn[candidates] = turn + 1
             return candidates[turn % len(candidates)]
-        rows = self.score(candidates, request)
-        best = rows[0].total
-        return self._tie([row.endpoint for row in rows if row.total >= best - 1e-9])
+        totals = self._totals(candidates, request)
+        best = max(totals)
+        return self._tie([e for e, t in zip(candidates, totals) if t >= best - 1e-9])
+
+    def _columns(self, candidates: tuple[str, ...], request: PickRequest) -> list[tuple[str, float, list[float]]]:
+        """(scorer, weight, each candidate's score) for every scorer with a weight."""
+        weights = request.picker.weights
+        states = [self.states.get(e) for e in candidates]
+        return [(name, weight, scorer(self, candidates, states, request)) for name, weight, scorer in (
+            ("queue", weights.queue, _queue), ("kv_cache", weights.kv_cache, _kv_cache),
+            ("in_flight", weights.in_flight, _in_flight), ("prefix", weights.prefix, _prefix),
+            ("lora", weights.lora, _lora)) if weight > 0]
+
+    def _totals(self, candidates: tuple[str, ...], request: PickRequest) -> list[float]:
+        totals = [0.0] * len(candidates)
+        for _, weight, values in self._columns(candidates, request):
+            for i, value in enumerate(values):
+                totals[i] += weight * value
+        return totals
 
     def _tie(self, candidates: list[str]) -> str:
         return candidates[0] if len(candidates) == 1 else self._rng.choice(candidates)
@@ -200,33 +231,33 @@ def _fewest(values: Sequence[float | None]) -> list[float]:
     return [0.0 if v is None else low / (v + 1.0) for v in values]
 
 
-def _queue(picker: Picker, candidates: tuple[str, ...], request: PickRequest) -> list[float]:
-    states = [picker.states.get(e) for e in candidates]
+States = list[PodView | None]
+
+
+def _queue(picker: Picker, candidates: tuple[str, ...], states: States, request: PickRequest) -> list[float]:
     return _fewest([s.waiting if s is not None else None for s in states])
 
 
-def _kv_cache(picker: Picker, candidates: tuple[str, ...], request: PickRequest) -> list[float]:
-    states = [picker.states.get(e) for e in candidates]
+def _kv_cache(picker: Picker, candidates: tuple[str, ...], states: States, request: PickRequest) -> list[float]:
     return [0.0 if s is None else max(0.0, min(1.0, 1.0 - s.kv_usage)) for s in states]
 
 
-def _in_flight(picker: Picker, candidates: tuple[str, ...], request: PickRequest) -> list[float]:
+def _in_flight(picker: Picker, candidates: tuple[str, ...], states: States, request: PickRequest) -> list[float]:
     return _fewest([float(picker._in_flight[e]) for e in candidates])
 
 
-def _prefix(picker: Picker, candidates: tuple[str, ...], request: PickRequest) -> list[float]:
+def _prefix(picker: Picker, candidates: tuple[str, ...], states: States, request: PickRequest) -> list[float]:
     if not request.prefix:
         return [0.0] * len(candidates)
     matched = picker.prefixes.matches(request.prefix, candidates)
     return [matched[e] / len(request.prefix) for e in candidates]
 
 
-def _lora(picker: Picker, candidates: tuple[str, ...], request: PickRequest) -> list[float]:
+def _lora(picker: Picker, candidates: tuple[str, ...], states: States, request: PickRequest) -> list[float]:
     if not request.adapter:
         return [0.0] * len(candidates)
     out = []
-    for endpoint in candidates:
-        state = picker.states.get(endpoint)
+    for state in states:
         if state is None or state.max_lora <= 0:
             out.append(0.0)
         elif request.model in state.running_adapters or request.model in state.waiting_adapters:

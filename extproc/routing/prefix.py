@@ -1,10 +1,12 @@
 """Prefix affinity: which pod was last sent the longest leading part of a prompt. Pure: no I/O.
 
 A prompt's text (tools, then each message's role and text, or a completion's prompt) is cut into
-blocks of ``block_chars`` characters; block ``i``'s hash covers the whole prefix up to and including
-it (each hash is keyed by the previous one), so two prompts share hash ``i`` only when their first
-``i + 1`` blocks are equal. Only whole blocks are hashed, as a pod's prefix cache reuses only
-whole KV blocks. Hashes are stable across processes (BLAKE2b, not Python's salted ``hash``).
+blocks of ``block_chars`` bytes of its UTF-8; block ``i``'s hash covers the whole prefix up to and
+including it (CRC-32 and Adler-32, each continued from the previous block's, side by side: 64
+bits), so two prompts share hash ``i`` only when their first ``i + 1`` blocks are equal. Only whole
+blocks are hashed, as a pod's prefix cache reuses only whole KV blocks. The hashes are stable
+across processes (a large body is analyzed in a helper process), unlike Python's salted ``hash``,
+and cost ~0.3 us a block, 4x less than BLAKE2b; a rare collision only misplaces one request.
 
 ``PrefixIndex`` remembers, for each hash, the pods a prompt holding it was sent to, in one bounded
 LRU over hashes: a pod's own prefix cache evicts too, so old entries are the least worth keeping.
@@ -12,7 +14,7 @@ LRU over hashes: a pod's own prefix cache evicts too, so old entries are the lea
 
 from __future__ import annotations
 
-import hashlib
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
@@ -60,19 +62,20 @@ def _content_text(content: Any) -> str:
 
 
 def block_hashes(text: str, block_chars: int) -> tuple[int, ...]:
-    """Chained 64-bit hashes of ``text``'s whole blocks."""
+    """Chained 64-bit hashes of the whole ``block_chars``-byte blocks of ``text``'s UTF-8."""
+    data = text.encode()
     hashes = []
-    previous = b""
-    for start in range(0, len(text) - block_chars + 1, block_chars):
-        digest = hashlib.blake2b(text[start:start + block_chars].encode(), digest_size=8, key=previous).digest()
-        hashes.append(int.from_bytes(digest, "little"))
-        previous = digest
+    crc, adler = 0, 1
+    for start in range(0, len(data) - block_chars + 1, block_chars):
+        block = data[start:start + block_chars]
+        crc, adler = zlib.crc32(block, crc), zlib.adler32(block, adler)
+        hashes.append(crc << 32 | adler)
     return tuple(hashes)
 
 
 def prefix_hashes(raw: dict[str, Any], block_chars: int, max_blocks: int) -> tuple[int, ...]:
     """The hashes of a request body's first ``max_blocks`` whole prompt blocks."""
-    return block_hashes(prompt_text(raw, block_chars * max_blocks), block_chars)
+    return block_hashes(prompt_text(raw, block_chars * max_blocks), block_chars)[:max_blocks]
 
 
 class PrefixIndex:
