@@ -175,10 +175,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--system-words", type=int, default=900, help="about 1.3 tokens each")
     parser.add_argument("--sessions", type=int, default=96)
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--user-words", type=int, default=30)
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--user-words", type=int, default=60)
+    parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=8, help="sessions at once, per pool")
-    parser.add_argument("--kv-cache-tokens", type=int, default=12_000, help="per pod: fewer than all prompts")
+    parser.add_argument("--kv-cache-tokens", type=int, default=8000,
+                        help="per pod: room for about a third of the system prompts")
     parser.add_argument("--workers", type=int, default=2, help="extproc workers")
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args(argv)
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         path.write_text(yaml.safe_dump(config(args.pods)))
         options = StackOptions(config_path=path, run_dir=run_dir, port=0, workers=args.workers, envoy_concurrency=2,
                                log_level="WARNING", sim_args=(
-                                   "--kv-cache-tokens", str(args.kv_cache_tokens), "--max-model-len", "8192",
+                                   "--kv-cache-tokens", str(args.kv_cache_tokens), "--max-model-len", str(min(8192, args.kv_cache_tokens)),
                                    "--log-level", "ERROR", "--seed", str(args.seed)))
         with LocalStack(options) as info:
             result = asyncio.run(run(info, args))

@@ -127,6 +127,15 @@ def test_prefix_affinity_sends_a_session_back_to_its_pod() -> None:
         p.release(chosen)
 
 
+def test_workers_without_a_shared_index_place_a_new_prefix_on_the_same_home_pod() -> None:
+    pods = {pod: Pod() for pod in PODS}
+    for prefix in [(7, 8, 9), (123456789, 1), (2**63 + 5, 2)]:
+        homes = {picker(pods, seed=seed).pick(PODS, PickRequest(prefix=prefix, picker=SCORED)) for seed in range(6)}
+        assert len(homes) == 1  # six workers, each with its own index and tie-break, agree
+    spread = {picker(pods).pick(PODS, PickRequest(prefix=(p,), picker=SCORED)) for p in range(40)}
+    assert spread == set(PODS)  # different prefixes have different homes
+
+
 def test_load_outweighs_a_shared_prefix_when_its_pod_is_swamped() -> None:
     prefix = tuple(range(10))
     p = picker({A: Pod(waiting=40, kv_usage=0.95), B: Pod(), C: Pod()})

@@ -10,7 +10,9 @@ Scorers each give every remaining pod a score in 0..1, higher better:
 - ``queue``: fewest requests waiting at the pod (``vllm:num_requests_waiting``), as a ratio to the fewest;
 - ``kv_cache``: most free KV cache (1 - ``vllm:kv_cache_usage_perc``);
 - ``in_flight``: fewest requests this process has in flight to the pod, likewise;
-- ``prefix``: the share of the prompt's leading blocks last sent to the pod (``PrefixIndex``);
+- ``prefix``: the share of the prompt's leading blocks last sent to the pod (``PrefixIndex``); a
+  prefix sent nowhere yet scores 0.5 on its home pod (rendezvous hashing of its first block), so
+  workers that do not share an index still place it alike;
 - ``lora``: 1 when the pod has the request's adapter loaded, 0.5 when it has room for another.
 
 A pod whose scraped state is unknown (never scraped, or older than a few intervals) scores 0 on
@@ -23,6 +25,7 @@ seeing the same state must not all pile onto one pod). The baselines ``least_in_
 from __future__ import annotations
 
 import random
+import zlib
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +35,7 @@ from extproc.config import PickerSpec
 from extproc.routing.prefix import PrefixIndex
 
 LEAST_IN_FLIGHT = PickerSpec(kind="least_in_flight")
+HOME_SCORE = 0.5  # the prefix score of a new prefix's home pod
 
 
 class PodView(Protocol):
@@ -250,7 +254,15 @@ def _prefix(picker: Picker, candidates: tuple[str, ...], states: States, request
     if not request.prefix:
         return [0.0] * len(candidates)
     matched = picker.prefixes.matches(request.prefix, candidates)
-    return [matched[e] / len(request.prefix) for e in candidates]
+    if any(matched.values()):
+        return [matched[e] / len(request.prefix) for e in candidates]
+    # A prefix no pod was sent yet: its home pod (rendezvous hashing on the first block) gets half a
+    # match, so every worker and every gateway replica places a new system prompt on the same pod
+    # (when loads are close) instead of each on its own, and caches it once.
+    first = request.prefix[0] & 0xFFFFFFFF
+    ranks = [zlib.crc32(e.encode(), first) for e in candidates]
+    home = max(ranks)
+    return [HOME_SCORE if rank == home else 0.0 for rank in ranks]
 
 
 def _lora(picker: Picker, candidates: tuple[str, ...], states: States, request: PickRequest) -> list[float]:
