@@ -51,10 +51,14 @@ def user_turn(rng: random.Random, words: int) -> str:
     return "Question: " + " ".join(rng.choice(WORDS) for _ in range(words)) + "?"
 
 
-def config(pods: int) -> dict[str, Any]:
-    """Three identical pools, one per policy, and one model in each."""
+def config(pods: int, weights: dict[str, float] | None = None) -> dict[str, Any]:
+    """Three identical pools, one per policy, and one model in each (``weights``: the scored
+    picker's, else its defaults)."""
+    def picker(policy: str) -> dict[str, Any]:
+        return {"kind": policy, **({"weights": weights} if weights and policy == "scored" else {})}
+
     return {
-        "pools": [{"name": policy, "simulate": pods, "picker": {"kind": policy}} for policy in POLICIES],
+        "pools": [{"name": policy, "simulate": pods, "picker": picker(policy)} for policy in POLICIES],
         "models": [{"name": f"model-{policy}", "pool": policy} for policy in POLICIES],
         "endpoint_picker": {"scrape": {"interval_s": 0.2}},
     }
@@ -182,11 +186,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="per pod: room for about a third of the system prompts")
     parser.add_argument("--workers", type=int, default=2, help="extproc workers")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--weight", action="append", default=[], metavar="SCORER=W",
+                        help="a scored-picker weight instead of the default (repeatable), e.g. prefix=3")
     args = parser.parse_args(argv)
     with TemporaryDirectory(prefix="llmgw-prefix-") as tmp:
         run_dir = Path(tmp)
         path = run_dir / "llmgw.yaml"
-        path.write_text(yaml.safe_dump(config(args.pods)))
+        weights = {name: float(value) for name, _, value in (w.partition("=") for w in args.weight)}
+        path.write_text(yaml.safe_dump(config(args.pods, weights)))
         options = StackOptions(config_path=path, run_dir=run_dir, port=0, workers=args.workers, envoy_concurrency=2,
                                log_level="WARNING", sim_args=(
                                    "--kv-cache-tokens", str(args.kv_cache_tokens), "--max-model-len", str(min(8192, args.kv_cache_tokens)),

@@ -6,47 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.resources import DEFAULT_TOKENIZER
-from extproc.sim import SimOptions, build_app
+from extproc.sim import SimOptions
 from extproc.sim.__main__ import parse_args
 from extproc.sim.costmodel import CostParams
 from extproc.sim.prefix_cache import block_hashes
 from extproc.sim.scheduler import SimSequence, make_scheduler
-from extproc.sim.tokens import SimTokenizer
+from tests.sim.conftest import ClientFactory
 
 BASE = "llama-3-8b-instruct"
 ADAPTERS = (("sql", "/adapters/sql-lora"), ("chat", "/adapters/chat-lora"))
 LORA = {"enable_lora": True, "lora_modules": ADAPTERS}
-PodFactory = Callable[..., Awaitable[TestClient]]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> SimTokenizer:
-    return SimTokenizer.from_spec(DEFAULT_TOKENIZER)
-
-
-@pytest.fixture
-async def make_pod(tokenizer: SimTokenizer) -> AsyncIterator[PodFactory]:
-    """In-process pods: ``await make_pod(**SimOptions fields)`` (time_scale 0 unless given)."""
-    clients: list[TestClient] = []
-
-    async def factory(**overrides: object) -> TestClient:
-        options = SimOptions(**{"time_scale": 0.0, **overrides})  # type: ignore[arg-type]
-        client = TestClient(TestServer(build_app(options, tokenizer)))
-        await client.start_server()
-        clients.append(client)
-        return client
-
-    yield factory
-    for client in clients:
-        await client.close()
 
 
 def chat(model: str, max_tokens: int, content: str = "Write a query.") -> bytes:
@@ -62,8 +37,8 @@ async def lora_info(client: TestClient) -> dict[str, str] | None:
     return max(samples, key=lambda s: s.value).labels if samples else None
 
 
-async def test_models_lists_adapters_as_vllm_does(make_pod: PodFactory) -> None:
-    client = await make_pod(**LORA)
+async def test_models_lists_adapters_as_vllm_does(make_client: ClientFactory) -> None:
+    client = await make_client(**LORA)
     cards = (await (await client.get("/v1/models")).json())["data"]
     assert [c["id"] for c in cards] == [BASE, "sql", "chat"]
     base, sql = cards[0], cards[1]
@@ -73,8 +48,8 @@ async def test_models_lists_adapters_as_vllm_does(make_pod: PodFactory) -> None:
     assert sql["owned_by"] == "vllm"
 
 
-async def test_a_request_to_an_adapter_is_served(make_pod: PodFactory) -> None:
-    client = await make_pod(**LORA)
+async def test_a_request_to_an_adapter_is_served(make_client: ClientFactory) -> None:
+    client = await make_client(**LORA)
     resp = await client.post("/v1/chat/completions", data=chat("sql", 3))
     assert resp.status == 200
     body = await resp.json()
@@ -83,8 +58,8 @@ async def test_a_request_to_an_adapter_is_served(make_pod: PodFactory) -> None:
     assert missing.status == 404
 
 
-async def test_adapters_do_not_share_the_base_models_prefix_cache(make_pod: PodFactory) -> None:
-    client = await make_pod(**LORA)
+async def test_adapters_do_not_share_the_base_models_prefix_cache(make_client: ClientFactory) -> None:
+    client = await make_client(**LORA)
     prompt = "A long shared system prompt. " * 20
 
     async def cached(model: str) -> int:
@@ -124,8 +99,8 @@ def test_scheduler_caps_distinct_adapters_per_batch(kind: str, max_loras: int, f
     assert sched.num_waiting == 0
 
 
-async def test_max_loras_1_serialises_two_adapters_and_the_gauge_shows_it(make_pod: PodFactory) -> None:
-    client = await make_pod(**LORA, max_loras=1, time_scale=1.0)  # 12 ms per step
+async def test_max_loras_1_serialises_two_adapters_and_the_gauge_shows_it(make_client: ClientFactory) -> None:
+    client = await make_client(**LORA, max_loras=1, time_scale=1.0)  # 12 ms per step
     assert await lora_info(client) == {"max_lora": "1", "waiting_lora_adapters": "", "running_lora_adapters": ""}
     done: dict[str, float] = {}
 
@@ -155,8 +130,8 @@ async def wait_for_info(client: TestClient, running: str, waiting: str, timeout_
         await asyncio.sleep(0.005)
 
 
-async def test_no_lora_gauge_without_enable_lora(make_pod: PodFactory) -> None:
-    client = await make_pod()
+async def test_no_lora_gauge_without_enable_lora(make_client: ClientFactory) -> None:
+    client = await make_client()
     text = await (await client.get("/metrics")).text()
     assert "vllm:lora_requests_info" not in text  # vLLM only exports it with LoRA enabled
 
