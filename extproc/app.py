@@ -139,13 +139,15 @@ async def watch_config(path: Path, gateway: Gateway, interval: float = RELOAD_IN
 
 
 async def housekeeping(gateway: Gateway, settlement: Settlement, metrics: GatewayMetrics, store: QuotaStore,
-                       ledger: LedgerSink | None) -> None:
+                       ledger: LedgerSink | None, classifier: IntentClassifier | None = None,
+                       states: PodStates | None = None) -> None:
     """Once a second: copy the quota store's and the ledger's counters into the metrics; every few
     seconds, report the requests decided here whose access-log entries never came."""
     stats = store.stats if isinstance(store, FallbackStore) else None
     last_sweep = time.monotonic()
     while True:
-        metrics.sync(stats, ledger)
+        metrics.sync(stats, ledger, classifier.stats if classifier is not None else None,
+                     len(states.snapshot()) if states is not None else None)
         if time.monotonic() - last_sweep >= HOUSEKEEPING_S:
             settlement.unsettled(gateway.router.forget_stale())
             last_sweep = time.monotonic()
@@ -196,7 +198,8 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     key_table = RedisKeyTable.from_url(config.redis_url) if config.redis_url else None
     key_watcher = asyncio.create_task(key_table.watch(
         gateway.set_redis_keys, config.keys.poll_s, max_stale_s=config.keys.max_stale_s)) if key_table else None
-    keeper = asyncio.create_task(housekeeping(gateway, settlement, metrics, store, ledger))
+    keeper = asyncio.create_task(housekeeping(gateway, settlement, metrics, store, ledger, classifier,
+                                              states if scrape.enabled else None))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

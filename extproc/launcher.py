@@ -524,7 +524,10 @@ class LocalStack:
         on the address the gateway config and Envoy were given."""
         started: list[tuple[str, Child, list[str]]] = []
         for pool in spec.pools:
-            served = [arg for m in spec.models if m.pool == pool.name for arg in ("--model", m.name)]
+            served = [arg for m in spec.models if m.pool == pool.name and not m.lora for arg in ("--model", m.name)]
+            adapters = [f"{m.name}=/adapters/{m.name}" for m in spec.models if m.pool == pool.name and m.lora]
+            if adapters:  # LoRA adapters the simulated pods load on demand, as vLLM's --lora-modules
+                served += ["--enable-lora", "--lora-modules", *adapters]
             for i in range(pool.simulate):
                 child = self.group.spawn(f"pod-{pool.name}-{i + 1}", self._pod_argv(served))
                 started.append((pool.name, child, served))

@@ -58,3 +58,25 @@ def test_rejections_by_status_and_code() -> None:
     assert _value(metrics, "gen_ai_client_operation_duration_seconds_count", gen_ai_operation_name="chat",
                   gen_ai_request_model="llama-3-8b-instruct", llmgw_tenant="team-a",
                   http_response_status_code="429") == 0  # refusals are not durations of served requests
+
+
+def test_routing_decisions_and_semantic_routing_outcomes() -> None:
+    from dataclasses import replace
+
+    from extproc.routing.classifier import ClassifierStats
+
+    metrics = GatewayMetrics()
+    decision = replace(make_decision(), pool="code", rule="intents", intent="code", score=0.41)
+    metrics.record(build_record(decision, ResponseFacts(status=200, end_ns=decision.started_ns + 1), Prices()))
+    assert _value(metrics, "llmgw_routing_decisions_total", llmgw_pool="code", llmgw_rule="intents",
+                  llmgw_intent="code") == 1
+    stats = ClassifierStats()
+    stats.outcomes.update(matched=3, busy=1)
+    stats.embed_seconds = 0.5
+    metrics.sync(None, None, stats, pods_known=2)
+    stats.outcomes.update(matched=1)
+    metrics.sync(None, None, stats, pods_known=1)
+    assert _value(metrics, "llmgw_intent_classifications_total", outcome="matched") == 4
+    assert _value(metrics, "llmgw_intent_classifications_total", outcome="busy") == 1
+    assert _value(metrics, "llmgw_intent_embedding_seconds_total") == 0.5
+    assert _value(metrics, "llmgw_picker_pods_known") == 1

@@ -23,6 +23,7 @@ from prometheus_client import multiprocess
 from extproc.ledger import LedgerSink, RedisLedger
 from extproc.accounting import REJECTED, RequestRecord
 from extproc.quota import FallbackStats
+from extproc.routing.classifier import ClassifierStats
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # The semantic conventions' advisory bucket boundaries.
@@ -68,8 +69,20 @@ class GatewayMetrics:
                                  registry=self.registry)
         self.ledger_dropped = Counter("llmgw_ledger_dropped_records", "Usage records lost to a full buffer",
                                       registry=self.registry)
+        self.routing = Counter("llmgw_routing_decisions", "Requests forwarded, by pool and what chose it (rule; "
+                               "intent for semantic routing, 'default' when none matched)",
+                               ("llmgw_pool", "llmgw_rule", "llmgw_intent"), registry=self.registry)
+        self.intents = Counter("llmgw_intent_classifications", "Semantic routing outcomes: matched, default (no "
+                               "intent sure enough), busy or failed (the embedder; the default route taken)",
+                               ("outcome",), registry=self.registry)
+        self.embed_seconds = Counter("llmgw_intent_embedding_seconds", "Time the embedding thread spent",
+                                     registry=self.registry)
+        self.pods_known = Gauge("llmgw_picker_pods_known", "Pods whose scraped state is fresh (the rest count "
+                                "as unknown to the picker)", registry=self.registry, multiprocess_mode="max")
         self._seen = FallbackStats()
         self._dropped = 0
+        self._outcomes: dict[str, int] = {}
+        self._embed_seconds = 0.0
 
     def record(self, record: RequestRecord) -> None:
         """One finished request: served (duration, TTFT, tokens, cost) or answered by the gateway."""
@@ -77,6 +90,7 @@ class GatewayMetrics:
             self.rejections.labels(str(record.status), record.error or "").inc()
             return
         d = record.decision
+        self.routing.labels(d.pool, d.rule, d.intent).inc()
         labels = (record.operation, d.served_model or "unknown", d.tenant)
         self.duration.labels(*labels, str(record.status)).observe(record.duration_ms / 1000)
         if record.ttft_ms is not None and d.stream:
@@ -90,8 +104,18 @@ class GatewayMetrics:
             if record.usage_estimated:
                 self.estimated.labels(labels[1]).inc()
 
-    def sync(self, stats: FallbackStats | None, ledger: LedgerSink | None) -> None:
-        """Copy the quota store's and the ledger's own counters (called once a second)."""
+    def sync(self, stats: FallbackStats | None, ledger: LedgerSink | None,
+             classifier: ClassifierStats | None = None, pods_known: int | None = None) -> None:
+        """Copy the quota store's, the ledger's and semantic routing's own counters, and how many
+        pods the picker knows (called once a second)."""
+        if classifier is not None:
+            for outcome, count in classifier.outcomes.items():
+                self.intents.labels(outcome).inc(count - self._outcomes.get(outcome, 0))
+                self._outcomes[outcome] = count
+            self.embed_seconds.inc(classifier.embed_seconds - self._embed_seconds)
+            self._embed_seconds = classifier.embed_seconds
+        if pods_known is not None:
+            self.pods_known.set(pods_known)
         if stats is not None:
             self.store_outages.inc(stats.outages - self._seen.outages)
             self.local_admissions.inc(stats.local_admissions - self._seen.local_admissions)

@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Iterator
 
 import httpx
+import orjson
 import pytest
 
 from extproc.launcher import StackInfo
@@ -114,3 +115,47 @@ def test_a_session_returns_to_the_pod_holding_its_prefix(single_worker_stack: St
             messages += [{"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]},
                          {"role": "user", "content": f"Follow-up number {turn}."}]
     assert len(set(pods)) == 1, pods
+
+
+LORA_CONFIG = {
+    "pools": [{"name": "local", "simulate": 2, "picker": {"weights": {"lora": 4}}}],
+    "models": [{"name": MODEL, "pool": "local"}, {"name": "sql-lora", "pool": "local", "lora": True},
+               {"name": "chat-lora", "pool": "local", "lora": True}],
+    "endpoint_picker": {"scrape": {"interval_s": 0.1}},
+}
+
+
+@pytest.fixture(scope="module")
+def lora_pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
+    # One adapter per batch (vLLM's --max-loras 1): a second adapter waits for the first to finish.
+    with small_stack(tmp_path_factory, "lora", pods=2, extra_config=LORA_CONFIG,
+                     sim_args=("--max-loras", "1", "--record", "100")) as info:
+        yield info
+
+
+def _adapter_request(base: str, model: str, request_id: str, max_tokens: int) -> None:
+    response = httpx.post(f"{base}/v1/chat/completions", timeout=60, headers={"x-request-id": request_id},
+                          json={"model": model, "messages": [{"role": "user", "content": "q"}],
+                                "max_tokens": max_tokens, "ignore_eos": True})
+    assert response.status_code == 200 and response.json()["model"] == model
+
+
+def test_adapters_go_where_they_are_loaded_or_where_there_is_room(lora_pods: StackInfo) -> None:
+    from extproc.routing.podstate import default_state_path
+
+    base, tag = lora_pods.base_url, uuid.uuid4().hex[:8]
+    pods = [url.removeprefix("http://") for url in lora_pods.pod_urls["local"]]
+    snapshot = default_state_path(pods)  # the node's scrape, as the gateway's workers read it
+    busy = threading.Thread(target=_adapter_request, args=(base, "sql-lora", f"sql-{tag}", 600))
+    busy.start()
+    try:
+        sql_pod = _until(lambda: next((p["endpoint"] for p in orjson.loads(snapshot.read_bytes())["pods"]
+                                       if "sql-lora" in p["running_adapters"]), None) if snapshot.exists() else None)
+        for i in range(3):
+            _adapter_request(base, "chat-lora", f"chat-{tag}-{i}", 1)  # would wait behind sql-lora there
+            assert _endpoint_of(lora_pods, f"chat-{tag}-{i}") != sql_pod
+            _adapter_request(base, "sql-lora", f"sql-{tag}-{i}", 1)  # joins the batch holding its adapter
+            assert _endpoint_of(lora_pods, f"sql-{tag}-{i}") == sql_pod
+    finally:
+        busy.join(60)
+
