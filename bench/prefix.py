@@ -9,8 +9,9 @@ noise. Each pod's KV cache is sized so that it cannot hold every system prompt: 
 scatters a prompt over all pods evicts and prefills it again.
 
 Reported per policy: the prefix-cache hit rate from the pods' own metrics
-(``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total``, deltas over the run) and
-the time to first token (p50/p99) seen by the clients, streamed. One JSON line; a PNG plot.
+(``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total``, deltas over the run), the
+time to first token (p50/p99) seen by the clients, streamed, and how often a session's next turn
+went to the pod of its previous turn (from the pods' request records). One JSON line; a PNG plot.
 Targets: hit rate >= 85 % for ``scored``, and its TTFT p50 below both baselines.
 """
 
@@ -80,14 +81,14 @@ async def prefix_counters(session: aiohttp.ClientSession, urls: list[str]) -> tu
 
 
 async def chat_turn(session: aiohttp.ClientSession, url: str, model: str, messages: list[dict[str, str]],
-                    max_tokens: int) -> tuple[float, str]:
+                    max_tokens: int, request_id: str) -> tuple[float, str]:
     """One streamed turn: (seconds to the first content, the answer's text)."""
     body = {"model": model, "messages": messages, "stream": True, "max_tokens": max_tokens}
     started = time.perf_counter()
     first: float | None = None
     parts: list[str] = []
     async with session.post(f"{url}/v1/chat/completions", data=orjson.dumps(body),
-                            headers={"content-type": "application/json"}) as response:
+                            headers={"content-type": "application/json", "x-request-id": request_id}) as response:
         if response.status != 200:
             raise RuntimeError(f"{model}: HTTP {response.status}: {(await response.text())[:200]}")
         async for line in response.content:
@@ -112,11 +113,13 @@ async def drive(base_url: str, policy: str, sessions: list[tuple[str, list[str]]
 
     async def worker(session: aiohttp.ClientSession) -> None:
         while queue:
+            number = len(sessions) - len(queue)
             system, turns = queue.pop(0)
             messages = [{"role": "system", "content": system}]
-            for turn in turns:
+            for i, turn in enumerate(turns):
                 messages.append({"role": "user", "content": turn})
-                ttft, answer = await chat_turn(session, base_url, f"model-{policy}", messages, max_tokens)
+                ttft, answer = await chat_turn(session, base_url, f"model-{policy}", messages, max_tokens,
+                                               f"{policy}:{number}:{i}")
                 ttfts.append(ttft)
                 messages.append({"role": "assistant", "content": answer})
                 progress.advance(task)
@@ -125,6 +128,21 @@ async def drive(base_url: str, policy: str, sessions: list[tuple[str, list[str]]
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         await asyncio.gather(*(worker(session) for _ in range(concurrency)))
     return ttfts
+
+
+async def stickiness(session: aiohttp.ClientSession, urls: list[str]) -> float:
+    """The share of follow-up turns served by the pod that served the session's previous turn
+    (from the pods' request records)."""
+    pod_of: dict[tuple[str, int], str] = {}
+    for url in urls:
+        async with session.get(f"{url}/debug/requests") as response:
+            for seen in (await response.json())["requests"]:
+                request_id = {k.lower(): v for k, v in seen["headers"].items()}.get("x-request-id", "")
+                _, number, turn = request_id.split(":")
+                pod_of[(number, int(turn))] = url
+    follow_ups = [(number, turn) for number, turn in pod_of if turn > 0]
+    same = sum(pod_of.get((number, turn - 1)) == pod_of[(number, turn)] for number, turn in follow_ups)
+    return same / max(1, len(follow_ups))
 
 
 async def run(info: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -145,7 +163,8 @@ async def run(info: Any, args: argparse.Namespace) -> dict[str, Any]:
             hits, queries = await prefix_counters(session, info.pod_urls[policy])
             hit_rate = (hits - before[policy][0]) / max(1.0, queries - before[policy][1])
             out[policy] = {"hit_rate": round(hit_rate, 4), "ttft_p50_ms": round(percentile(ttfts, 50) * 1000, 1),
-                           "ttft_p99_ms": round(percentile(ttfts, 99) * 1000, 1), "requests": len(ttfts)}
+                           "ttft_p99_ms": round(percentile(ttfts, 99) * 1000, 1), "requests": len(ttfts),
+                           "session_stickiness": round(await stickiness(session, info.pod_urls[policy]), 3)}
     return out
 
 
@@ -197,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
         options = StackOptions(config_path=path, run_dir=run_dir, port=0, workers=args.workers, envoy_concurrency=2,
                                log_level="WARNING", sim_args=(
                                    "--kv-cache-tokens", str(args.kv_cache_tokens), "--max-model-len", str(min(8192, args.kv_cache_tokens)),
-                                   "--log-level", "ERROR", "--seed", str(args.seed)))
+                                   "--log-level", "ERROR", "--seed", str(args.seed),
+                                   "--record", str(args.sessions * args.turns)))
         with LocalStack(options) as info:
             result = asyncio.run(run(info, args))
     scored = result["scored"]

@@ -24,6 +24,7 @@ from aiohttp.test_utils import TestServer
 
 from extproc.resources import DEFAULT_TOKENIZER
 from extproc.routing.podstate import (
+    MODELS_EVERY,
     PodState,
     PodStates,
     default_state_path,
@@ -310,7 +311,9 @@ async def test_two_workers_share_one_scraper_and_the_other_takes_over(
         for _, hits in pods:
             await wait_until(lambda hits=hits: len(hits.times["/metrics"]) >= 8, "8 rounds")
             assert_one_scrape_per_interval(hits.times["/metrics"])  # not one per worker
-            assert abs(len(hits.times["/v1/models"]) - len(hits.times["/metrics"])) <= 1
+            # /v1/models on the first round, then every MODELS_EVERY rounds
+            rounds = len(hits.times["/metrics"])
+            assert len(hits.times["/v1/models"]) in {1 + (rounds - 1) // MODELS_EVERY, 2 + (rounds - 1) // MODELS_EVERY}
 
         await wait_until(lambda: between_rounds(path, pods), "a round written")
         scraper.cancel()  # the scraper goes away: its lock with it

@@ -318,15 +318,21 @@ async def _fetch(session: aiohttp.ClientSession, url: str) -> bytes | _ScrapeFai
         return _ScrapeFailed(str(err) or type(err).__name__)
 
 
+MODELS_EVERY = 10  # rounds between two reads of a pod's /v1/models (its adapters change rarely)
+
+
 class _Scraper:
-    """One round: every pod's /metrics and /v1/models, concurrently; logs a pod's failures once."""
+    """One round: every pod's /metrics (and every ``MODELS_EVERY`` rounds, or while unknown, its
+    /v1/models), concurrently; logs a pod's failures once."""
 
     def __init__(self, session: aiohttp.ClientSession) -> None:
         self._session = session
         self._failing: set[str] = set()
+        self._rounds = 0
 
     async def round(self, endpoints: tuple[str, ...], known: Mapping[str, PodState]) -> dict[str, PodState]:
         """The new state of each pod; a pod that failed keeps its known state, which ages."""
+        self._rounds += 1
         fresh = await asyncio.gather(*(self._scrape(ep, known.get(ep)) for ep in endpoints))
         pods: dict[str, PodState] = {}
         for endpoint, state in zip(endpoints, fresh):
@@ -337,8 +343,11 @@ class _Scraper:
         return pods
 
     async def _scrape(self, endpoint: str, known: PodState | None) -> PodState | None:
-        metrics, models = await asyncio.gather(_fetch(self._session, f"http://{endpoint}/metrics"),
-                                               _fetch(self._session, f"http://{endpoint}/v1/models"))
+        if known is None or not known.models or self._rounds % MODELS_EVERY == 1:
+            metrics, models = await asyncio.gather(_fetch(self._session, f"http://{endpoint}/metrics"),
+                                                   _fetch(self._session, f"http://{endpoint}/v1/models"))
+        else:
+            metrics, models = await _fetch(self._session, f"http://{endpoint}/metrics"), _ScrapeFailed("not asked")
         scraped_at = time.time()
         if isinstance(metrics, _ScrapeFailed):
             if endpoint not in self._failing:

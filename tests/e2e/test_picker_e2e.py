@@ -159,3 +159,40 @@ def test_adapters_go_where_they_are_loaded_or_where_there_is_room(lora_pods: Sta
     finally:
         busy.join(60)
 
+
+
+@pytest.fixture(scope="module")
+def queued_pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
+    with small_stack(tmp_path_factory, "queued", pods=2, extra_config={"endpoint_picker": {"scrape": {"interval_s": 0.1}}},
+                     sim_args=("--max-num-seqs", "1", "--record", "100")) as info:
+        yield info
+
+
+def test_a_pod_with_a_queue_is_avoided_though_this_gateway_sent_it_nothing(queued_pods: StackInfo) -> None:
+    """The queue comes from elsewhere (another gateway, a batch job): only the scraped
+    vllm:num_requests_waiting tells the picker, not its own in-flight count."""
+    from extproc.routing.podstate import default_state_path
+
+    base, tag = queued_pods.base_url, uuid.uuid4().hex[:8]
+    urls = queued_pods.pod_urls["local"]
+    snapshot = default_state_path(url.removeprefix("http://") for url in urls)
+    loaded = urls[0].removeprefix("http://")
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 150, "ignore_eos": True}
+    direct = [threading.Thread(target=httpx.post, args=(f"{urls[0]}/v1/completions",),
+                               kwargs={"json": body, "timeout": 60}) for _ in range(3)]
+    for thread in direct:
+        thread.start()
+    try:
+        _until(lambda: True if snapshot.exists() and any(
+            p["endpoint"] == loaded and p["waiting"] >= 1 for p in orjson.loads(snapshot.read_bytes())["pods"])
+            else None)
+        with httpx.Client(base_url=base, timeout=30) as client:
+            for i in range(5):
+                request_id = f"queued-{tag}-{i}"
+                response = client.post("/v1/completions", headers={"x-request-id": request_id},
+                                       json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+                assert response.status_code == 200
+                assert _endpoint_of(queued_pods, request_id) != loaded
+    finally:
+        for thread in direct:
+            thread.join(60)
