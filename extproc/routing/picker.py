@@ -11,7 +11,7 @@ Scorers each give every remaining pod a score in 0..1, higher better:
 - ``kv_cache``: most free KV cache (1 - ``vllm:kv_cache_usage_perc``);
 - ``in_flight``: fewest requests this process has in flight to the pod, likewise;
 - ``prefix``: the share of the prompt's leading blocks last sent to the pod (``PrefixIndex``); a
-  prefix sent nowhere yet scores 0.5 on its home pod (rendezvous hashing of its first block), so
+  prefix sent nowhere yet scores 0.25 on its home pod (rendezvous hashing of its first block), so
   workers that do not share an index still place it alike;
 - ``lora``: 1 when the pod has the request's adapter loaded, 0.5 when it has room for another.
 
@@ -35,7 +35,7 @@ from extproc.config import PickerSpec
 from extproc.routing.prefix import PrefixIndex
 
 LEAST_IN_FLIGHT = PickerSpec(kind="least_in_flight")
-HOME_SCORE = 0.5  # the prefix score of a new prefix's home pod
+HOME_SCORE = 0.25  # the prefix score of a new prefix's home pod (see _prefix)
 
 
 class PodView(Protocol):
@@ -256,9 +256,11 @@ def _prefix(picker: Picker, candidates: tuple[str, ...], states: States, request
     matched = picker.prefixes.matches(request.prefix, candidates)
     if any(matched.values()):
         return [matched[e] / len(request.prefix) for e in candidates]
-    # A prefix no pod was sent yet: its home pod (rendezvous hashing on the first block) gets half a
-    # match, so every worker and every gateway replica places a new system prompt on the same pod
-    # (when loads are close) instead of each on its own, and caches it once.
+    # A prefix no pod was sent yet: its home pod (rendezvous hashing on the first block) gets a
+    # quarter of a match, so every worker and every gateway replica places a new system prompt on
+    # the same pod (when loads are close) instead of each on its own, and caches it once. Only a
+    # quarter: at half, a burst of new prompts queued their prefills on their homes (bench.prefix
+    # TTFT p99 ~490 ms against ~400 for least-in-flight; at a quarter ~230-320).
     first = request.prefix[0] & 0xFFFFFFFF
     ranks = [zlib.crc32(e.encode(), first) for e in candidates]
     home = max(ranks)
