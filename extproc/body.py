@@ -59,6 +59,7 @@ class BodyFacts:
     intent_text: str | None = None
     intent: str = ""  # the intent that chose ``served`` ("default": none did)
     score: float | None = None  # its cosine similarity
+    batchable: bool = False  # may share one merged call to a pod (see ``can_batch``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +133,7 @@ def analyze(operation: Operation, body: bytes, served_names: Mapping[str, str], 
         model=request.model, served=served, stream=stream, n=getattr(request, "n", None) or 1,
         output_limit=request.output_limit, embedding=isinstance(request, EmbeddingRequest),
         input_tokens=input_tokens, strip_usage=strip_usage and served is not None, features=features,
-        rule=rule, pool=pool, prefix=prefix, intent_text=text,
+        rule=rule, pool=pool, prefix=prefix, intent_text=text, batchable=can_batch(raw),
     )
     # Depth is bounded (max_depth < orjson's 254 levels), so dumps cannot raise here.
     return facts, (orjson.dumps(raw) if changed else None)
@@ -145,6 +146,25 @@ def with_model(body: bytes, model: str) -> bytes:
     """A body analyzed for semantic routing (an object without "model"), given its model."""
     field = b'{"model":' + orjson.dumps(model)
     return field + b"}" if body == b"{}" else field + b"," + body[1:]
+
+
+_PER_CALL_FIELDS = ("tools", "functions", "response_format", "logprobs", "top_logprobs", "echo", "best_of",
+                    "suffix", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "logit_bias")
+
+
+def can_batch(raw: dict[str, Any]) -> bool:
+    """Whether a validated chat or completion body can be one prompt of a merged completion call:
+    one choice, one text prompt (chat: text parts only), and nothing a pod applies to a whole
+    call at once (tools, structured output, logprobs, echo, best_of, logit_bias)."""
+    if (raw.get("n") or 1) != 1 or any(raw.get(name) for name in _PER_CALL_FIELDS):
+        return False
+    messages = raw.get("messages")
+    if messages is not None:
+        return all(type(m) is dict and (isinstance(m.get("content"), str) or (
+            isinstance(m.get("content"), list) and all(type(p) is dict and p.get("type") == "text"
+                                                       for p in m["content"])))
+            and not m.get("tool_calls") and m.get("role") != "tool" for m in messages)
+    return isinstance(raw.get("prompt"), str)
 
 
 def needs_usage_chunk(parsed: ParsedRequest) -> bool:

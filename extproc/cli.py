@@ -146,6 +146,15 @@ def cmd_up(args: argparse.Namespace) -> int:
         stack.stop()
 
 
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    """``llmgw coordinator``: the batching coordinator alone (``llmgw up`` starts one itself)."""
+    from extproc.coordinator.__main__ import main as coordinator_main
+
+    argv = ["--config", args.config, "--host", args.host, "--log-level", args.log_level]
+    coordinator_main(argv + (["--port", str(args.port)] if args.port is not None else []))
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """``llmgw serve``: N extproc worker processes sharing one port (production entry point)."""
     try:
@@ -345,6 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-host", default="0.0.0.0", help="address of /metrics (default 0.0.0.0)")
     serve.add_argument("--log-level", default="INFO")
     serve.set_defaults(handler=cmd_serve)
+
+    coordinator = commands.add_parser("coordinator", help="run the batching coordinator alone")
+    coordinator.add_argument("--config", required=True)
+    coordinator.add_argument("--host", default="127.0.0.1")
+    coordinator.add_argument("--port", type=int, default=None, help="default: the port of server.coordinator")
+    coordinator.add_argument("--log-level", default="INFO")
+    coordinator.set_defaults(handler=cmd_coordinator)
 
     keygen = commands.add_parser("keygen", help="make an API key; prints the config lines with its hash")
     keygen.add_argument("--tenant", default="my-team")

@@ -120,6 +120,28 @@ class EndpointPickerSpec(_Strict):
     scrape: ScrapeSpec = Field(default_factory=ScrapeSpec)
 
 
+class BatchingSpec(_Strict):
+    """Gateway-side batching: the pool's batchable requests go to the batching coordinator, which
+    merges them into one call to a pod. A batch leaves when its oldest request has waited
+    ``max_wait_ms`` (per QoS class, ``default`` for the others), or it holds ``max_batch_size``
+    requests or ``max_batched_tokens`` prompt tokens, or at once when the pod has room."""
+
+    enabled: bool = False
+    qos: list[str] | None = None  # the classes batched (None: every class but realtime)
+    max_wait_ms: dict[str, Annotated[float, Field(ge=0, le=10_000)]] = Field(
+        default_factory=lambda: {"default": 50.0})
+    max_batch_size: Annotated[int, Field(ge=1, le=4096)] = 32
+    max_batched_tokens: Annotated[int, Field(ge=1)] = 4096
+
+    def batches(self, qos: str) -> bool:
+        """Whether requests of class ``qos`` may be batched."""
+        return self.enabled and (qos in self.qos if self.qos is not None else qos != "realtime")
+
+    def wait_ms(self, qos: str) -> float:
+        """The longest a request of class ``qos`` waits for its batch to fill."""
+        return self.max_wait_ms.get(qos, self.max_wait_ms.get("default", 50.0))
+
+
 class PoolSpec(_Strict):
     """A set of interchangeable inference pods serving the same models."""
 
@@ -140,6 +162,7 @@ class PoolSpec(_Strict):
     # many requests waiting on average; `default` is for classes not named (and keyless requests).
     # Give batch the smallest depth and realtime the largest: batch is shed first, realtime last.
     shed: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
+    batching: BatchingSpec = Field(default_factory=BatchingSpec)
 
     @model_validator(mode="after")
     def _has_endpoints(self) -> PoolSpec:
@@ -275,6 +298,9 @@ class ServerSpec(_Strict):
     # Bodies this large are analyzed in a helper process, so they never stall the event loop.
     offload_body_bytes: Annotated[int, Field(ge=0)] = 64 * 1024
     limits: BodyLimitsSpec = Field(default_factory=BodyLimitsSpec)
+    # The batching coordinator (`llmgw coordinator`), probed by extproc: while it does not answer,
+    # batchable requests go direct. `llmgw up` starts one and fills this in.
+    coordinator: Annotated[str, AfterValidator(_host_port)] | None = None
 
 
 class EnvoySpec(_Strict):
@@ -511,6 +537,7 @@ class Pool:
     picker: PickerSpec = field(default_factory=PickerSpec)
     draining: frozenset[str] = frozenset()
     shed: tuple[tuple[str, float], ...] = ()  # (QoS class or "default", mean waiting depth per pod)
+    batching: BatchingSpec = field(default_factory=BatchingSpec)
 
     def shed_depth(self, qos: str) -> float | None:
         """The mean queue depth past which requests of class ``qos`` are refused (None: never)."""
@@ -665,7 +692,7 @@ def compile_spec(spec: GatewaySpec, *, env: dict[str, str] | os._Environ[str]) -
             raise ConfigError(f"pools[{i}].endpoints: empty (simulated pools get theirs from `llmgw up`)")
         pools[p.name] = Pool(p.name, tuple(p.endpoints), _read_credential(p.credential, f"pools[{i}].credential", env),
                              p.health, p.picker or spec.endpoint_picker.default, frozenset(p.draining),
-                             tuple(p.shed.items()))
+                             tuple(p.shed.items()), p.batching)
     models = tuple(
         Model(m.name, pools[m.pool], tuple(m.aliases), m.owned_by, m.max_model_len, Prices(**m.price.model_dump()),
               _tokenizer_path(m.tokenizer, f"models[{i}].tokenizer"), m.version, m.lora)

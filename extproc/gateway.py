@@ -88,6 +88,7 @@ class Gateway:
         self._served_names = {name: model.name for name, model in config.models_by_name.items()}
         self._limits = BodyLimits(**config.server.limits.model_dump())
         self.router.forget_after_s = config.quota.lease_ttl_s * 2
+        self.router.coordinator = config.server.coordinator
         self._prefix_blocks = config.prefix_blocks
         intents = config.intents
         self._intents = (intents.model_name, *intents.default, intents.max_chars) if intents is not None else None

@@ -461,7 +461,16 @@ class LocalStack:
         pod_urls = self._start_pods(spec)
         resolved = _with_endpoints(spec, pod_urls)
         config_path = opts.run_dir / "llmgw.resolved.yaml"
+        coordinator: tuple[str, int] | None = None
+        if any(pool.batching.enabled for pool in spec.pools):  # the batching coordinator, on a port of its own
+            coordinator = ("127.0.0.1", free_port())
+            resolved["server"]["coordinator"] = f"{coordinator[0]}:{coordinator[1]}"
         config_path.write_text(yaml.safe_dump(resolved, sort_keys=False))
+        if coordinator is not None:
+            child = self.group.spawn("coordinator", [
+                sys.executable, "-m", "extproc.coordinator", "--config", str(config_path), "--host", coordinator[0],
+                "--port", str(coordinator[1]), "--log-level", opts.log_level])
+            self.group.wait_ready_line(child, opts.ready_timeout)
 
         # Held until stop: a restarted worker binds the same port, and nobody can take it meanwhile.
         self._extproc_port = reserve_port("127.0.0.1")
@@ -482,7 +491,7 @@ class LocalStack:
                 opts.envoy_yaml or envoyconf.default_envoy_yaml(), listen_port=listen_port,
                 listen_host=opts.listen_host, extproc_port=extproc_port, admin_port=admin_port,
                 pools=resolved["pools"], stream_idle_timeout_s=spec.envoy.stream_idle_timeout_s,
-                access_log_flush_s=spec.quota.lease_ttl_s / 3,
+                access_log_flush_s=spec.quota.lease_ttl_s / 3, coordinator=coordinator,
             )
             if opts.envoy_patch is not None:
                 opts.envoy_patch(rendered, pod_urls)

@@ -29,6 +29,9 @@ POOL_HEADER = "x-llmgw-pool"
 DECISION_HEADER = "x-llmgw-decision"
 TENANT_HEADER = "x-llmgw-tenant"
 ROUTE_DIRECT = "direct"
+ROUTE_BATCH = "batch"  # to the batching coordinator (envoy.yaml's llm_coordinator cluster)
+BATCH_HEADER = "x-llmgw-batch"  # the batch settings of the request's pool and class, for the coordinator
+INPUT_TOKENS_HEADER = "x-llmgw-input-tokens"  # the gateway's count of the prompt (the coordinator splits usage by it)
 RULE_MODEL = "model"  # no rule matched: the model the client named, in its own pool
 RULE_INTENTS = "intents"  # no rule matched: semantic routing (the client named ``intents.model_name``)
 # Set on a request whose usage chunk the gateway asked for: the Lua filter of envoy/envoy.yaml
@@ -44,6 +47,7 @@ class Router:
     def __init__(self, picker: EndpointPicker, health: EndpointHealth, forget_after_s: float = 120.0) -> None:
         self.picker = picker
         self.health = health
+        self.coordinator: str | None = None  # host:port of the batching coordinator, if there is one
         self.forget_after_s = forget_after_s
         # id -> (decision, deadline): what this process routed and has not seen end yet
         self._picked: OrderedDict[str, tuple[Decision, float]] = OrderedDict()
@@ -61,8 +65,9 @@ class Router:
         state.endpoint = endpoint
         destination = endpoint if fallback is None else f"{endpoint},{fallback}"
         tenant = state.tenant.name if state.tenant is not None else ""
+        batch = self._batch_settings(state)
         set_headers: list[tuple[str, str]] = [
-            (ROUTE_HEADER, ROUTE_DIRECT),
+            (ROUTE_HEADER, ROUTE_DIRECT if batch is None else ROUTE_BATCH),
             (DESTINATION_HEADER, destination),
             (MODEL_HEADER, model.name),
             (POOL_HEADER, pool.name),
@@ -75,6 +80,9 @@ class Router:
         if tenant:
             set_headers.append((TENANT_HEADER, tenant))
             set_headers.append((qos_header, state.qos))
+        if batch is not None:
+            set_headers.append((BATCH_HEADER, batch))
+            set_headers.append((INPUT_TOKENS_HEADER, str(facts.input_tokens)))
         set_headers.extend(state.rate_headers)  # copied onto the response by Envoy (envoy.yaml)
         if pool.credential:
             set_headers.append(("authorization", f"Bearer {pool.credential}"))
@@ -88,6 +96,18 @@ class Router:
         self._picked[state.id] = (decision, time.monotonic() + self.forget_after_s)
         return Continue(set_headers=tuple(set_headers), body=new_body, clear_route_cache=True,
                         metadata=((METADATA_NAMESPACE, decision.metadata()),))
+
+    def _batch_settings(self, state: RequestState) -> str | None:
+        """The ``x-llmgw-batch`` value when the request goes to the coordinator, else None: its
+        pool batches its class, it can share a call, and the coordinator answers its probes."""
+        pool, facts = state.pool, state.facts
+        assert pool is not None and facts is not None
+        settings = pool.batching
+        if not (facts.batchable and settings.batches(state.qos) and self.coordinator is not None
+                and self.health.is_usable(self.coordinator)):
+            return None
+        return (f"wait_ms={settings.wait_ms(state.qos):g}; size={settings.max_batch_size}; "
+                f"tokens={settings.max_batched_tokens}")
 
     def shed(self, pool: Pool, qos: str) -> ApiError | None:
         """QoS shedding: a 429 when the pool's pods have more requests waiting on average than

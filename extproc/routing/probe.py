@@ -14,6 +14,7 @@ from extproc.config import GatewayConfig, Pool
 from extproc.routing.health import EndpointHealth
 
 log = logging.getLogger("llmgw.health")
+_COORDINATOR_POOL = Pool("coordinator", ())  # the batching coordinator's probe settings: a pod's defaults
 
 
 async def _probe(session: aiohttp.ClientSession, pool: Pool, endpoint: str) -> bool:
@@ -30,8 +31,11 @@ async def probe_forever(config: Callable[[], GatewayConfig], health: EndpointHea
     connector = aiohttp.TCPConnector(limit=0, force_close=True)  # a dead pod must not keep a pooled socket
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
         while True:
-            pools = tuple(config().pools.values())
+            current = config()
+            pools = tuple(current.pools.values())
             targets = [(pool, endpoint) for pool in pools for endpoint in pool.endpoints]
+            if current.server.coordinator is not None and pools:  # probed like a pod, on /health
+                targets.append((_COORDINATOR_POOL, current.server.coordinator))
             results = await asyncio.gather(*(_probe(session, pool, endpoint) for pool, endpoint in targets))
             for (pool, endpoint), healthy in zip(targets, results):
                 if health.probed(endpoint, healthy):

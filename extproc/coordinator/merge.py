@@ -1,0 +1,203 @@
+"""What the batching coordinator does with bodies: one client request -> one prompt of a merged
+completion call, and the pod's merged answer -> each client's own answer. Pure: no I/O.
+
+A merged call is vLLM's ``POST /v1/completions`` with ``prompt`` a list: every prompt shares the
+call's sampling parameters, so requests are merged only when theirs are equal (``BatchKey``).
+Chat requests are rendered with the model's chat template (ChatML, as the gateway counts them and
+the simulated pod encodes them) ending with the assistant's generation prompt, which is what a
+chat endpoint does before generating.
+
+The pod streams (``stream_options.include_usage``): each chunk carries one choice whose ``index``
+is the prompt's position in the list. Usage comes once, for the whole call; each client's share is
+split from it (``split``), in proportion to the gateway's exact count of its prompt and to the
+content events of its answer (vLLM sends about one token per event), so the shares add up to
+exactly what the pod reported.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from extproc.templates import TemplateError, render_chat
+
+# Fields a client sends for itself, not shared by the merged call.
+_OWN_FIELDS = frozenset({"model", "messages", "prompt", "stream", "stream_options", "user", "n", "metadata",
+                         "store", "service_tier", "max_tokens", "max_completion_tokens"})
+CHAT = "chat"
+COMPLETION = "completion"
+
+
+class MergeError(ValueError):
+    """A body the coordinator cannot turn into one prompt (extproc should not have sent it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchKey:
+    """Requests merge only with the same pod, model, output limit and sampling parameters."""
+
+    endpoint: str
+    model: str
+    max_tokens: int | None
+    sampling: bytes  # the shared fields as canonical JSON
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One client's request, as the merged call needs it."""
+
+    kind: str  # CHAT or COMPLETION
+    prompt: str
+    stream: bool
+    include_usage: bool
+    input_tokens: int  # the gateway's count (x-llmgw-input-tokens)
+
+
+def parse(body: bytes, endpoint: str, input_tokens: int) -> tuple[BatchKey, Member]:
+    """A client's body -> its batch key and member; ``MergeError`` when it cannot be merged."""
+    try:
+        raw = orjson.loads(body)
+    except orjson.JSONDecodeError as error:
+        raise MergeError(f"not JSON: {error}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("model"), str):
+        raise MergeError("no model")
+    if "messages" in raw:
+        kind = CHAT
+        try:
+            segments = render_chat(raw["messages"])
+        except TemplateError as error:
+            raise MergeError(str(error)) from None
+        if not all(isinstance(s, str) for s in segments):
+            raise MergeError("media parts cannot share a merged call")
+        prompt = "".join(segments)  # type: ignore[arg-type]
+    elif isinstance(raw.get("prompt"), str):
+        kind, prompt = COMPLETION, raw["prompt"]
+    else:
+        raise MergeError("one text prompt or chat messages are needed")
+    if (raw.get("n") or 1) != 1:
+        raise MergeError("n > 1 cannot share a merged call")
+    limit = raw.get("max_completion_tokens", raw.get("max_tokens"))
+    shared = {k: v for k, v in raw.items() if k not in _OWN_FIELDS}
+    options = raw.get("stream_options") or {}
+    key = BatchKey(endpoint, raw["model"], limit if isinstance(limit, int) else None,
+                   orjson.dumps(shared, option=orjson.OPT_SORT_KEYS))
+    return key, Member(kind, prompt, bool(raw.get("stream")), bool(options.get("include_usage")), input_tokens)
+
+
+def pod_body(key: BatchKey, prompts: Sequence[str]) -> bytes:
+    """The merged call: one streamed completion over every member's prompt."""
+    body: dict[str, Any] = {**orjson.loads(key.sampling), "model": key.model, "prompt": list(prompts),
+                            "stream": True, "stream_options": {"include_usage": True}}
+    if key.max_tokens is not None:
+        body["max_tokens"] = key.max_tokens
+    return orjson.dumps(body)
+
+
+def split(total: int, weights: Sequence[int]) -> list[int]:
+    """``total`` in whole shares proportional to ``weights`` (largest remainders), summing to it."""
+    if not weights:
+        return []
+    weight_sum = sum(weights)
+    if weight_sum <= 0:
+        base = [total // len(weights)] * len(weights)
+        for i in range(total - sum(base)):
+            base[i] += 1
+        return base
+    exact = [total * w / weight_sum for w in weights]
+    shares = [int(x) for x in exact]
+    order = sorted(range(len(weights)), key=lambda i: exact[i] - shares[i], reverse=True)
+    for i in order[:total - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """One client's share of the merged call's usage."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's usage object."""
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+def shares(pod_usage: dict[str, Any] | None, members: Sequence[Member], events: Sequence[int]) -> list[Usage]:
+    """Each member's usage: the pod's totals split by prompt counts and content events. Without
+    the pod's usage (the call was cut), each member's own counts."""
+    if not pod_usage:
+        return [Usage(m.input_tokens, n, 0) for m, n in zip(members, events, strict=True)]
+    prompt = split(int(pod_usage.get("prompt_tokens") or 0), [m.input_tokens for m in members])
+    completion = split(int(pod_usage.get("completion_tokens") or 0), list(events))
+    details = pod_usage.get("prompt_tokens_details") or {}
+    cached = split(int(details.get("cached_tokens") or 0), prompt)
+    return [Usage(p, c, k) for p, c, k in zip(prompt, completion, cached, strict=True)]
+
+
+class Answer:
+    """One client's answer, built as the pod's chunks for its prompt arrive."""
+
+    def __init__(self, member: Member, answer_id: str, model: str) -> None:
+        self.member = member
+        self.id = answer_id
+        self.model = model
+        self.created = int(time.time())
+        self.parts: list[str] = []
+        self.events = 0
+        self.finish_reason: str | None = None
+        self.started = False
+
+    def delta(self, text: str, finish_reason: str | None) -> bytes:
+        """Record a chunk; for a streaming client, the SSE event(s) to send it now (else b"")."""
+        if text:
+            self.parts.append(text)
+            self.events += 1
+        if finish_reason is not None:
+            self.finish_reason = finish_reason
+        if not self.member.stream:
+            return b""
+        out = b""
+        if self.member.kind == CHAT and not self.started:
+            out += self._event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None})
+        self.started = True
+        if self.member.kind == CHAT:
+            return out + self._event({"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
+                                      "finish_reason": finish_reason})
+        return out + self._event({"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason})
+
+    def end(self, usage: Usage) -> bytes:
+        """The rest of the answer: a streaming client's usage event (if asked) and ``[DONE]``; a
+        plain client's whole JSON body."""
+        if self.member.stream:
+            tail = b""
+            if self.member.include_usage:
+                tail += b"data: " + orjson.dumps({"id": self.id, "object": self._chunk_object(),
+                                                   "created": self.created, "model": self.model, "choices": [],
+                                                   "usage": usage.body()}) + b"\n\n"
+            return tail + b"data: [DONE]\n\n"
+        text = "".join(self.parts)
+        if self.member.kind == CHAT:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                      "logprobs": None, "finish_reason": self.finish_reason or "stop"}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason or "stop"}
+            obj = "text_completion"
+        return orjson.dumps({"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                             "choices": [choice], "usage": usage.body()})
+
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.member.kind == CHAT else "text_completion"
+
+    def _event(self, choice: dict[str, Any]) -> bytes:
+        return b"data: " + orjson.dumps({"id": self.id, "object": self._chunk_object(), "created": self.created,
+                                         "model": self.model, "choices": [choice]}) + b"\n\n"

@@ -1,0 +1,273 @@
+"""The batching coordinator: merges the requests extproc sends it into one call to a pod, and
+streams each client its own answer.
+
+Envoy routes a request here (``x-llmgw-route: batch``) when extproc decided it may be batched; the
+headers carry the decision (the pod picked, then a fallback, in ``x-gateway-destination-endpoint``;
+the pool's window in ``x-llmgw-batch``; the prompt's token count), trusted because Envoy is the one
+way in. Requests wait in a queue per ``BatchKey`` (pod, model, sampling parameters); a batch leaves
+
+- when the pod has room (work-conserving: no call of ours in flight to it, or its scraped queue is
+  empty): waiting would only add latency;
+- when its oldest request has waited its class's ``wait_ms``;
+- when it holds ``size`` requests or ``tokens`` prompt tokens.
+
+A merged call that fails before answering is retried once, each member alone, on the fallback
+pod; a member the pod stopped mid-answer is resumed there from its prompt plus the text it already
+got, so its client's stream simply continues. A client that goes away loses only its own answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from extproc.coordinator.merge import Answer, BatchKey, Member, MergeError, parse, pod_body, shares
+
+log = logging.getLogger("llmgw.coordinator")
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+BATCH_HEADER = "x-llmgw-batch"
+INPUT_TOKENS_HEADER = "x-llmgw-input-tokens"
+DEFAULTS = {"wait_ms": 50.0, "size": 32.0, "tokens": 4096.0}
+POD_SILENCE_S = 120.0  # the longest a pod may stay silent before the call counts as failed
+
+
+@dataclass(eq=False)
+class Pending:
+    """A client's request from its arrival to its answer's end."""
+
+    key: BatchKey
+    member: Member
+    answer: Answer
+    fallback: str | None
+    wait_s: float
+    size: int
+    tokens: int
+    arrived: float = field(default_factory=time.monotonic)
+    out: asyncio.Queue[bytes | None] = field(default_factory=asyncio.Queue)  # None: the end
+    dispatched: asyncio.Event = field(default_factory=asyncio.Event)
+    batch_id: str = ""
+    batch_size: int = 0
+    gone: bool = False  # the client went away
+
+
+def _settings(header: str | None) -> dict[str, float]:
+    settings = dict(DEFAULTS)
+    for part in (header or "").split(";"):
+        name, _, value = part.strip().partition("=")
+        if name in settings:
+            try:
+                settings[name] = float(value)
+            except ValueError:
+                pass
+    return settings
+
+
+class Coordinator:
+    """The queues, the calls in flight per pod, and the HTTP session to the pods."""
+
+    def __init__(self, states: object | None = None) -> None:
+        self.queues: dict[BatchKey, list[Pending]] = {}
+        self._wakeups: dict[BatchKey, asyncio.Event] = {}
+        self._dispatchers: dict[BatchKey, asyncio.Task[None]] = {}
+        self.in_flight: Counter[str] = Counter()
+        self._sent_at: dict[str, float] = {}  # wall-clock time of the last call to each pod
+        self.states = states  # the node's pod states (extproc.routing.podstate.PodStates), if read
+        self.session: aiohttp.ClientSession | None = None
+        self.batches = 0
+        self.merged = 0
+
+    # -- the HTTP side --------------------------------------------------------------------------
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """One client request: queue it, then answer it as its batch's call goes."""
+        picks = [e.strip() for e in request.headers.get(DESTINATION_HEADER, "").split(",") if e.strip()]
+        if not picks:
+            return _error(503, "no pod was picked for this request", "no_route")
+        try:
+            tokens = int(request.headers.get(INPUT_TOKENS_HEADER, "0"))
+        except ValueError:
+            tokens = 0
+        try:
+            key, member = parse(await request.read(), picks[0], tokens)
+        except MergeError as error:
+            return _error(400, f"this request cannot be batched: {error}", "invalid_request_error")
+        settings = _settings(request.headers.get(BATCH_HEADER))
+        answer_id = ("chatcmpl-" if member.kind == "chat" else "cmpl-") + secrets.token_hex(16)
+        pending = Pending(key, member, Answer(member, answer_id, key.model), picks[1] if len(picks) > 1 else None,
+                          settings["wait_ms"] / 1000, int(settings["size"]), int(settings["tokens"]))
+        self._enqueue(pending)
+        try:
+            await pending.dispatched.wait()
+            headers = {"x-llmgw-batch-id": pending.batch_id, "x-llmgw-batch-size": str(pending.batch_size)}
+            if not member.stream:
+                body = await pending.out.get()
+                status = 200
+                if body is not None and body.startswith(b'{"error"'):
+                    status = 502
+                return web.Response(body=body, status=status, content_type="application/json", headers=headers)
+            response = web.StreamResponse(headers={**headers, "content-type": "text/event-stream",
+                                                   "cache-control": "no-cache"})
+            await response.prepare(request)
+            while (chunk := await pending.out.get()) is not None:
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+        finally:
+            pending.gone = True  # answered, or the client went away: nothing more is sent to it
+            queue = self.queues.get(key)
+            if queue is not None and pending in queue:
+                queue.remove(pending)
+
+    # -- batching -------------------------------------------------------------------------------
+
+    def _enqueue(self, pending: Pending) -> None:
+        self.queues.setdefault(pending.key, []).append(pending)
+        wakeup = self._wakeups.setdefault(pending.key, asyncio.Event())
+        wakeup.set()
+        task = self._dispatchers.get(pending.key)
+        if task is None or task.done():
+            self._dispatchers[pending.key] = asyncio.create_task(self._dispatch(pending.key))
+
+    def has_room(self, endpoint: str) -> bool:
+        """Work-conserving: send now when the pod would start at once. It would with no call of
+        ours in flight (unless its scraped queue says others keep it busy), or when its state,
+        scraped since our last call went out, shows nothing waiting and KV cache to spare."""
+        state = self.states.get(endpoint) if self.states is not None else None  # type: ignore[attr-defined]
+        if self.in_flight[endpoint] == 0:
+            return state is None or state.waiting == 0
+        return (state is not None and state.scraped_at > self._sent_at.get(endpoint, 0.0)
+                and state.waiting == 0 and state.kv_usage < 0.9)
+
+    async def _dispatch(self, key: BatchKey) -> None:
+        """Form and send this key's batches until its queue is empty."""
+        queue, wakeup = self.queues[key], self._wakeups[key]
+        while queue:
+            first = queue[0]
+            while True:
+                tokens = sum(p.member.input_tokens for p in queue)
+                waited = time.monotonic() - first.arrived
+                if len(queue) >= first.size or tokens >= first.tokens or waited >= first.wait_s \
+                        or self.has_room(key.endpoint):
+                    break
+                wakeup.clear()
+                try:
+                    await asyncio.wait_for(wakeup.wait(), first.wait_s - waited)
+                except TimeoutError:
+                    pass
+                if not queue or queue[0] is not first:
+                    break
+            if not queue or queue[0] is not first:
+                continue  # the oldest went away: the next one's window starts from its own arrival
+            batch, budget = [], first.tokens
+            while queue and len(batch) < first.size and (not batch or budget >= queue[0].member.input_tokens):
+                pending = queue.pop(0)
+                budget -= pending.member.input_tokens
+                batch.append(pending)
+            asyncio.create_task(self._send(key, batch))
+        self.queues.pop(key, None)
+        self._wakeups.pop(key, None)
+
+    async def _send(self, key: BatchKey, batch: list[Pending]) -> None:
+        batch_id = secrets.token_hex(8)
+        self.batches += 1
+        self.merged += len(batch)
+        for pending in batch:
+            pending.batch_id, pending.batch_size = batch_id, len(batch)
+            pending.dispatched.set()
+        unfinished = await self._call(key.endpoint, key, batch, batch_id, [p.member.prompt for p in batch])
+        retry = [p for p in unfinished if not p.gone]
+        for pending in retry:  # one by one, on the fallback, resumed after what the client already has
+            target = pending.fallback or key.endpoint
+            resumed = pending.member.prompt + "".join(pending.answer.parts)
+            left = None if key.max_tokens is None else max(1, key.max_tokens - pending.answer.events)
+            retry_key = BatchKey(target, key.model, left, key.sampling)
+            if await self._call(target, retry_key, [pending], batch_id, [resumed]):
+                pending.out.put_nowait(orjson.dumps({"error": {
+                    "message": "the pod failed while generating this answer, and so did the retry",
+                    "type": "server_error", "param": None, "code": "upstream_failed"}}) if not pending.member.stream
+                    else b'data: {"error":{"message":"the pod failed while generating this answer",'
+                         b'"type":"server_error","param":null,"code":"upstream_failed"}}\n\ndata: [DONE]\n\n')
+                pending.out.put_nowait(None)
+
+    async def _call(self, endpoint: str, key: BatchKey, batch: list[Pending], batch_id: str,
+                    prompts: list[str]) -> list[Pending]:
+        """One merged call; its members' answers are streamed and ended. Returns the members the
+        pod did not finish (the call failed or was cut)."""
+        assert self.session is not None
+        self.in_flight[endpoint] += 1
+        self._sent_at[endpoint] = time.time()
+        finished: set[int] = set()
+        usage = None
+        try:
+            async with self.session.post(
+                    f"http://{endpoint}/v1/completions", data=pod_body(key, prompts),
+                    headers={"content-type": "application/json", "baggage": f"llmgw.batch_id={batch_id}"},
+                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=POD_SILENCE_S)) as response:
+                if response.status != 200:
+                    log.warning("pod %s answered %d to batch %s", endpoint, response.status, batch_id)
+                    return batch
+                async for line in response.content:
+                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                        continue
+                    chunk = orjson.loads(line[6:])
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    for choice in chunk.get("choices") or ():
+                        index = choice.get("index", 0)
+                        if not 0 <= index < len(batch):
+                            continue
+                        pending = batch[index]
+                        reason = choice.get("finish_reason")
+                        event = pending.answer.delta(choice.get("text") or "", reason)
+                        if event and not pending.gone:
+                            pending.out.put_nowait(event)
+                        if reason is not None:
+                            finished.add(index)
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as error:
+            log.warning("batch %s to pod %s failed: %s", batch_id, endpoint, error or type(error).__name__)
+        finally:
+            self.in_flight[endpoint] -= 1
+            for waiting_key, wakeup in self._wakeups.items():  # the pod has room again
+                if waiting_key.endpoint == endpoint:
+                    wakeup.set()
+        done = [p for i, p in enumerate(batch) if i in finished]
+        for pending, share in zip(batch, shares(usage if len(done) == len(batch) else None,
+                                                [p.member for p in batch], [p.answer.events for p in batch]),
+                                  strict=True):
+            if pending in done and not pending.gone:
+                pending.out.put_nowait(pending.answer.end(share))
+                pending.out.put_nowait(None)
+        return [p for i, p in enumerate(batch) if i not in finished]
+
+
+def _error(status: int, message: str, code: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error" if status < 500
+                                        else "server_error", "param": None, "code": code}}, status=status)
+
+
+async def _health(_: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+def build_app(coordinator: Coordinator) -> web.Application:
+    """The coordinator's HTTP app: the two batchable OpenAI endpoints and ``/health``."""
+    app = web.Application(client_max_size=64 << 20)
+    app.router.add_post("/v1/chat/completions", coordinator.handle)
+    app.router.add_post("/v1/completions", coordinator.handle)
+    app.router.add_get("/health", _health)
+
+    async def session(app: web.Application) -> object:
+        coordinator.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        yield
+        await coordinator.session.close()
+
+    app.cleanup_ctx.append(session)
+    return app

@@ -1,0 +1,246 @@
+"""The batching coordinator's pure parts (merge keys, the merged call, usage shares, each client's
+answer), extproc's decision to batch, and the coordinator's window against a scripted pod."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import orjson
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from extproc.body import can_batch
+from extproc.config import parse_config
+from extproc.coordinator.merge import CHAT, COMPLETION, Answer, MergeError, Usage, parse, pod_body, shares, split
+from extproc.coordinator.server import Coordinator, build_app
+from extproc.gateway import Gateway
+from extproc.routing.picker import Picker
+
+
+def chat(text: str, **extra: object) -> bytes:
+    return orjson.dumps({"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 8, **extra})
+
+
+def test_requests_merge_only_with_equal_pod_model_limit_and_sampling() -> None:
+    key, member = parse(chat("hi", temperature=0.5, stream=True, user="u1"), "10.0.0.1:8000", 9)
+    same, _ = parse(chat("other", temperature=0.5, user="u2"), "10.0.0.1:8000", 3)
+    assert key == same  # the prompt, stream and user are each client's own
+    assert parse(chat("hi", temperature=0.7), "10.0.0.1:8000", 9)[0] != key
+    assert parse(chat("hi", temperature=0.5), "10.0.0.2:8000", 9)[0] != key
+    assert member.kind == CHAT and member.stream and member.prompt.endswith("<|im_start|>assistant\n")
+    completion = parse(orjson.dumps({"model": "m", "prompt": "abc"}), "p:1", 2)[1]
+    assert completion.kind == COMPLETION and completion.prompt == "abc"
+    for bad in (b"not json", orjson.dumps({"model": "m", "prompt": ["a", "b"]}),
+                orjson.dumps({"model": "m", "prompt": "a", "n": 2})):
+        with pytest.raises(MergeError):
+            parse(bad, "p:1", 1)
+
+
+def test_the_merged_call_streams_every_prompt_with_the_shared_parameters() -> None:
+    key, _ = parse(chat("hi", temperature=0.5, seed=3), "p:1", 1)
+    body = orjson.loads(pod_body(key, ["one", "two"]))
+    assert body == {"model": "m", "prompt": ["one", "two"], "temperature": 0.5, "seed": 3, "max_tokens": 8,
+                    "stream": True, "stream_options": {"include_usage": True}}
+
+
+@pytest.mark.parametrize(("total", "weights"), [(10, [1, 1, 1]), (7, [5, 0, 2]), (0, [3, 4]), (5, [0, 0]),
+                                                (1001, [333, 333, 334])])
+def test_usage_shares_add_up_to_the_pods_total(total: int, weights: list[int]) -> None:
+    parts = split(total, weights)
+    assert sum(parts) == total and all(p >= 0 for p in parts)
+
+
+def test_each_member_gets_its_share_of_the_pods_usage() -> None:
+    members = [parse(chat("a"), "p:1", 10)[1], parse(chat("bb"), "p:1", 30)[1]]
+    got = shares({"prompt_tokens": 40, "completion_tokens": 12, "prompt_tokens_details": {"cached_tokens": 16}},
+                 members, [4, 8])
+    assert got == [Usage(10, 4, 4), Usage(30, 8, 12)]
+    assert shares(None, members, [4, 8]) == [Usage(10, 4, 0), Usage(30, 8, 0)]  # the call was cut
+
+
+def test_answers_take_the_shape_each_client_asked_for() -> None:
+    streamed = Answer(parse(chat("hi", stream=True, stream_options={"include_usage": True}), "p:1", 5)[1], "id1", "m")
+    events = streamed.delta("Hel", None) + streamed.delta("lo", "length") + streamed.end(Usage(5, 2, 0))
+    chunks = [orjson.loads(line[6:]) for line in events.split(b"\n\n") if line.startswith(b"data: {")]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [c["choices"][0]["delta"].get("content") for c in chunks[1:3]] == ["Hel", "lo"]
+    assert chunks[2]["choices"][0]["finish_reason"] == "length" and chunks[3]["usage"]["total_tokens"] == 7
+    assert events.endswith(b"data: [DONE]\n\n")
+    plain = Answer(parse(orjson.dumps({"model": "m", "prompt": "x"}), "p:1", 1)[1], "id2", "m")
+    assert plain.delta("abc", "stop") == b""
+    body = orjson.loads(plain.end(Usage(1, 1, 0)))
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == "abc"
+
+
+def test_extproc_batches_only_what_can_share_a_call() -> None:
+    assert can_batch(orjson.loads(chat("hi")))
+    for extra in ({"n": 2}, {"tools": [{"type": "function", "function": {"name": "f"}}]},
+                  {"response_format": {"type": "json_object"}}, {"logprobs": True}):
+        assert not can_batch(orjson.loads(chat("hi", **extra)))
+    image = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]}
+    assert not can_batch(image)
+    assert not can_batch({"model": "m", "input": "embed me"})
+
+
+DOCUMENT = {
+    "server": {"coordinator": "127.0.0.1:8081"},
+    "pools": [{"name": "gpu", "endpoints": ["10.0.0.1:8000"], "batching": {"enabled": True}}],
+    "models": [{"name": "m", "pool": "gpu"}],
+    "tenants": [{"name": "t", "keys": [{"env": "KEY"}], "qos": ["balanced", "realtime"]}],
+}
+
+
+def _route(gateway: Gateway, qos: str, body: bytes) -> dict[str, str]:
+    state = gateway.new_request()
+    gateway.request_headers(state, {":method": "POST", ":path": "/v1/chat/completions",
+                                    "content-type": "application/json", "authorization": "Bearer sk-test",
+                                    "x-llmgw-qos": qos}, False)
+    return dict(gateway.request_body(state, body).set_headers)
+
+
+@pytest.mark.parametrize(("qos", "body", "route"), [
+    ("balanced", chat("hi"), "batch"),
+    ("realtime", chat("hi"), "direct"),
+    ("balanced", chat("hi", n=2), "direct"),
+])
+def test_the_route_depends_on_the_class_and_the_body(qos: str, body: bytes, route: str) -> None:
+    gateway = Gateway(parse_config(DOCUMENT, env={"KEY": "sk-test"}), Picker(random.Random(0)))
+    headers = _route(gateway, qos, body)
+    assert headers["x-llmgw-route"] == route
+    assert ("x-llmgw-batch" in headers) == (route == "batch")
+    if route == "batch":
+        assert headers["x-llmgw-batch"] == "wait_ms=50; size=32; tokens=4096"
+    gateway.health.probed("127.0.0.1:8081", False)  # the coordinator stops answering its probe
+    assert _route(gateway, qos, body)["x-llmgw-route"] == "direct"
+
+
+# -- the window, against a scripted pod ------------------------------------------------------------
+
+class ScriptedPod:
+    """Answers merged completion calls; holds each call until released; records the prompt lists."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+        self.release = asyncio.Event()
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.calls.append(body["prompt"])
+        await self.release.wait()
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for i, _ in enumerate(body["prompt"]):
+            chunk = {"choices": [{"index": i, "text": f"answer {i}", "finish_reason": "stop"}]}
+            await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        usage = {"prompt_tokens": 3 * len(body["prompt"]), "completion_tokens": len(body["prompt"])}
+        await response.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n")
+        return response
+
+
+async def test_requests_arriving_while_the_pod_is_busy_leave_together() -> None:
+    pod = ScriptedPod()
+    app = web.Application()
+    app.router.add_post("/v1/completions", pod.completions)
+    pod_client = TestClient(TestServer(app))
+    await pod_client.start_server()
+    endpoint = f"127.0.0.1:{pod_client.port}"
+    coordinator = Coordinator()
+    client = TestClient(TestServer(build_app(coordinator)))
+    await client.start_server()
+    headers = {"x-gateway-destination-endpoint": endpoint, "x-llmgw-batch": "wait_ms=5000; size=3; tokens=4096",
+               "x-llmgw-input-tokens": "3"}
+
+    async def ask(i: int) -> dict:
+        response = await client.post("/v1/completions", headers=headers,
+                                     data=orjson.dumps({"model": "m", "prompt": f"p{i}", "max_tokens": 4}))
+        return {"status": response.status, "size": response.headers["x-llmgw-batch-size"], **(await response.json())}
+
+    first = asyncio.create_task(ask(0))  # the pod is idle: it leaves at once, alone
+    while not pod.calls:
+        await asyncio.sleep(0.01)
+    rest = [asyncio.create_task(ask(i)) for i in (1, 2, 3)]  # the pod is busy: they wait, and fill a batch
+    while len(pod.calls) < 2:
+        await asyncio.sleep(0.01)
+    pod.release.set()
+    answers = [await first, *[await task for task in rest]]
+    assert pod.calls == [["p0"], ["p1", "p2", "p3"]]  # size 3 reached long before the 5 s window
+    assert [a["size"] for a in answers] == ["1", "3", "3", "3"]
+    assert [a["choices"][0]["text"] for a in answers] == ["answer 0", "answer 0", "answer 1", "answer 2"]
+    assert all(a["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4,
+                              "prompt_tokens_details": {"cached_tokens": 0}} for a in answers)
+    await client.close()
+    await pod_client.close()
+
+
+class FlakyPod:
+    """Streams one chunk per prompt, then drops the connection (a pod dying mid-batch)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.calls.append(body)
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for i, _ in enumerate(body["prompt"]):
+            chunk = {"choices": [{"index": i, "text": f"start{i} ", "finish_reason": None}]}
+            await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        request.transport.close()  # cut mid-answer
+        return response
+
+
+class SteadyPod(ScriptedPod):
+    """Answers at once, and keeps every call's body."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bodies: list[dict] = []
+        self.release.set()
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.json())
+        return await super().completions(request)
+
+
+async def _serve(handler: object) -> TestClient:
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)  # type: ignore[arg-type]
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    return client
+
+
+async def test_a_batch_cut_mid_answer_is_resumed_on_the_fallback_pod() -> None:
+    flaky, steady = FlakyPod(), SteadyPod()
+    flaky_client, steady_client = await _serve(flaky.completions), await _serve(steady.completions)
+    picks = f"127.0.0.1:{flaky_client.port},127.0.0.1:{steady_client.port}"
+    client = TestClient(TestServer(build_app(Coordinator())))
+    await client.start_server()
+    headers = {"x-gateway-destination-endpoint": picks, "x-llmgw-batch": "wait_ms=0", "x-llmgw-input-tokens": "2"}
+    streamed = await client.post("/v1/completions", headers=headers, data=orjson.dumps(
+        {"model": "m", "prompt": "tell me", "max_tokens": 10, "stream": True}))
+    text = "".join(orjson.loads(line[6:])["choices"][0]["text"] for line in (await streamed.read()).split(b"\n\n")
+                   if line.startswith(b"data: {") and b'"choices":[{' in line)
+    assert text == "start0 answer 0"  # the client's stream simply continues
+    assert steady.bodies[0]["prompt"] == ["tell me" + "start0 "] and steady.bodies[0]["max_tokens"] == 9
+    for c in (client, flaky_client, steady_client):
+        await c.close()
+
+
+async def test_a_failing_pod_and_a_failing_retry_end_in_a_clear_error() -> None:
+    async def broken(request: web.Request) -> web.Response:
+        return web.Response(status=500, text="boom")
+
+    pod = await _serve(broken)
+    client = TestClient(TestServer(build_app(Coordinator())))
+    await client.start_server()
+    headers = {"x-gateway-destination-endpoint": f"127.0.0.1:{pod.port}", "x-llmgw-batch": "wait_ms=0"}
+    response = await client.post("/v1/completions", headers=headers,
+                                 data=orjson.dumps({"model": "m", "prompt": "x", "max_tokens": 3}))
+    assert response.status == 502 and (await response.json())["error"]["code"] == "upstream_failed"
+    await client.close()
+    await pod.close()
