@@ -171,6 +171,10 @@ async def test_requests_arriving_while_the_pod_is_busy_leave_together() -> None:
     assert [a["choices"][0]["text"] for a in answers] == ["answer 0", "answer 0", "answer 1", "answer 2"]
     assert all(a["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4,
                               "prompt_tokens_details": {"cached_tokens": 0}} for a in answers)
+    metrics = await (await client.get("/metrics")).text()
+    assert 'llmgw_batch_departures_total{reason="room"} 1.0' in metrics
+    assert 'llmgw_batch_departures_total{reason="full"} 1.0' in metrics
+    assert 'llmgw_batch_size_sum{gen_ai_request_model="m"} 4.0' in metrics
     await client.close()
     await pod_client.close()
 
@@ -244,3 +248,46 @@ async def test_a_failing_pod_and_a_failing_retry_end_in_a_clear_error() -> None:
     assert response.status == 502 and (await response.json())["error"]["code"] == "upstream_failed"
     await client.close()
     await pod.close()
+
+
+# -- the adaptive window ---------------------------------------------------------------------------
+
+def test_the_window_grows_after_full_batches_and_shrinks_when_pods_idle() -> None:
+    from extproc.coordinator.window import FULL, ROOM, WINDOW, AdaptiveWindow
+
+    window = AdaptiveWindow()
+    assert window.wait_s(0.05, queued=1, size=32) == pytest.approx(0.05)
+    window.departed(FULL)
+    assert window.factor == 1.0  # one overflow is not a trend
+    for _ in range(10):
+        window.departed(FULL)
+    assert window.factor == pytest.approx(2.0)  # grown by 1.2x a step, capped at twice the setting
+    window.departed(WINDOW)
+    for _ in range(30):
+        window.departed(ROOM)
+    assert window.factor == pytest.approx(0.1)
+    assert window.reasons == {FULL: 11, WINDOW: 1, ROOM: 30}
+
+
+def test_the_window_never_waits_longer_than_a_call_or_than_filling_takes() -> None:
+    from extproc.coordinator.window import AdaptiveWindow
+
+    window = AdaptiveWindow()
+    for i in range(20):  # 100 requests per second
+        window.arrived(i * 0.01)
+    assert window.arrival_rate == pytest.approx(100.0)
+    assert window.wait_s(1.0, queued=2, size=4) == pytest.approx(0.02)  # two more come in 20 ms
+    window.answered(0.005)
+    assert window.wait_s(1.0, queued=2, size=4) == pytest.approx(0.005)  # the pod is faster than that
+
+
+def test_a_batch_class_request_yields_to_later_ones_but_not_forever() -> None:
+    from extproc.coordinator.server import Pending, _rank
+
+    key, member = parse(chat("x"), "p:1", 1)
+
+    def pending(qos: str, arrived: float) -> Pending:
+        return Pending(key, member, Answer(member, "id", "m"), None, 0.05, 32, 4096, qos, arrived)
+
+    old_batch, newer, much_later = pending("batch", 10.0), pending("balanced", 10.5), pending("balanced", 11.5)
+    assert sorted([old_batch, newer, much_later], key=_rank) == [newer, old_batch, much_later]

@@ -28,14 +28,22 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter as MetricCounter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from extproc.coordinator.merge import Answer, BatchKey, Member, MergeError, parse, pod_body, shares
+from extproc.coordinator.window import FULL, ROOM, WINDOW, AdaptiveWindow
 
 log = logging.getLogger("llmgw.coordinator")
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 BATCH_HEADER = "x-llmgw-batch"
 INPUT_TOKENS_HEADER = "x-llmgw-input-tokens"
 DEFAULTS = {"wait_ms": 50.0, "size": 32.0, "tokens": 4096.0}
+QOS_HEADER = "x-llmgw-qos"
+# How much later than its arrival a request of the class ranks: a batch-class request joins a batch
+# ahead of one that arrived this much after it (aging: nothing starves), realtime ahead of all.
+QOS_HANDICAP_S = {"batch": 1.0, "realtime": -1.0}
+MAX_WINDOWS = 4096  # queues' adaptive windows remembered
 POD_SILENCE_S = 120.0  # the longest a pod may stay silent before the call counts as failed
 
 
@@ -50,6 +58,7 @@ class Pending:
     wait_s: float
     size: int
     tokens: int
+    qos: str = ""
     arrived: float = field(default_factory=time.monotonic)
     out: asyncio.Queue[bytes | None] = field(default_factory=asyncio.Queue)  # None: the end
     dispatched: asyncio.Event = field(default_factory=asyncio.Event)
@@ -70,6 +79,23 @@ def _settings(header: str | None) -> dict[str, float]:
     return settings
 
 
+class CoordinatorMetrics:
+    """The coordinator's Prometheus metrics (``GET /metrics``)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.size = Histogram("llmgw_batch_size", "Requests merged into one call to a pod", ("gen_ai_request_model",),
+                              buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=self.registry)
+        self.departures = MetricCounter("llmgw_batch_departures", "Batches sent, by why they left: full (size or "
+                                        "tokens), window (the wait ended), room (the pod could start it at once)",
+                                        ("reason",), registry=self.registry)
+        self.window = Gauge("llmgw_batch_window_seconds", "The adapted wait of the last batch formed, per model",
+                            ("gen_ai_request_model",), registry=self.registry)
+        self.retries = MetricCounter("llmgw_batch_retries", "Members retried alone after their merged call failed "
+                                     "or was cut: resumed (answered) or failed (error to the client)", ("outcome",),
+                                     registry=self.registry)
+
+
 class Coordinator:
     """The queues, the calls in flight per pod, and the HTTP session to the pods."""
 
@@ -77,12 +103,12 @@ class Coordinator:
         self.queues: dict[BatchKey, list[Pending]] = {}
         self._wakeups: dict[BatchKey, asyncio.Event] = {}
         self._dispatchers: dict[BatchKey, asyncio.Task[None]] = {}
+        self.windows: dict[BatchKey, AdaptiveWindow] = {}  # kept while the queue lives, and a while after
         self.in_flight: Counter[str] = Counter()
         self._sent_at: dict[str, float] = {}  # wall-clock time of the last call to each pod
         self.states = states  # the node's pod states (extproc.routing.podstate.PodStates), if read
         self.session: aiohttp.ClientSession | None = None
-        self.batches = 0
-        self.merged = 0
+        self.metrics = CoordinatorMetrics()
 
     # -- the HTTP side --------------------------------------------------------------------------
 
@@ -102,7 +128,8 @@ class Coordinator:
         settings = _settings(request.headers.get(BATCH_HEADER))
         answer_id = ("chatcmpl-" if member.kind == "chat" else "cmpl-") + secrets.token_hex(16)
         pending = Pending(key, member, Answer(member, answer_id, key.model), picks[1] if len(picks) > 1 else None,
-                          settings["wait_ms"] / 1000, int(settings["size"]), int(settings["tokens"]))
+                          settings["wait_ms"] / 1000, int(settings["size"]), int(settings["tokens"]),
+                          request.headers.get(QOS_HEADER, ""))
         self._enqueue(pending)
         try:
             await pending.dispatched.wait()
@@ -129,6 +156,13 @@ class Coordinator:
     # -- batching -------------------------------------------------------------------------------
 
     def _enqueue(self, pending: Pending) -> None:
+        window = self.windows.get(pending.key)
+        if window is None:
+            if len(self.windows) >= MAX_WINDOWS:  # forget the windows of queues long gone
+                for key in [k for k in self.windows if k not in self.queues][:MAX_WINDOWS // 2]:
+                    del self.windows[key]
+            window = self.windows[pending.key] = AdaptiveWindow()
+        window.arrived(time.monotonic())
         self.queues.setdefault(pending.key, []).append(pending)
         wakeup = self._wakeups.setdefault(pending.key, asyncio.Event())
         wakeup.set()
@@ -148,24 +182,30 @@ class Coordinator:
 
     async def _dispatch(self, key: BatchKey) -> None:
         """Form and send this key's batches until its queue is empty."""
-        queue, wakeup = self.queues[key], self._wakeups[key]
+        queue, wakeup, window = self.queues[key], self._wakeups[key], self.windows[key]
         while queue:
             first = queue[0]
             while True:
                 tokens = sum(p.member.input_tokens for p in queue)
                 waited = time.monotonic() - first.arrived
-                if len(queue) >= first.size or tokens >= first.tokens or waited >= first.wait_s \
-                        or self.has_room(key.endpoint):
+                wait = window.wait_s(first.wait_s, len(queue), first.size)
+                reason = FULL if len(queue) >= first.size or tokens >= first.tokens else \
+                    ROOM if self.has_room(key.endpoint) else WINDOW if waited >= wait else None
+                if reason is not None:
                     break
                 wakeup.clear()
                 try:
-                    await asyncio.wait_for(wakeup.wait(), first.wait_s - waited)
+                    await asyncio.wait_for(wakeup.wait(), wait - waited)
                 except TimeoutError:
                     pass
                 if not queue or queue[0] is not first:
                     break
             if not queue or queue[0] is not first:
                 continue  # the oldest went away: the next one's window starts from its own arrival
+            window.departed(reason)
+            self.metrics.departures.labels(reason).inc()
+            self.metrics.window.labels(key.model).set(wait)
+            queue.sort(key=_rank)  # by class, with aging: a waiting batch-class request catches up
             batch, budget = [], first.tokens
             while queue and len(batch) < first.size and (not batch or budget >= queue[0].member.input_tokens):
                 pending = queue.pop(0)
@@ -177,19 +217,23 @@ class Coordinator:
 
     async def _send(self, key: BatchKey, batch: list[Pending]) -> None:
         batch_id = secrets.token_hex(8)
-        self.batches += 1
-        self.merged += len(batch)
+        self.metrics.size.labels(key.model).observe(len(batch))
         for pending in batch:
             pending.batch_id, pending.batch_size = batch_id, len(batch)
             pending.dispatched.set()
+        started = time.monotonic()
         unfinished = await self._call(key.endpoint, key, batch, batch_id, [p.member.prompt for p in batch])
+        if key in self.windows and not unfinished:
+            self.windows[key].answered(time.monotonic() - started)
         retry = [p for p in unfinished if not p.gone]
         for pending in retry:  # one by one, on the fallback, resumed after what the client already has
             target = pending.fallback or key.endpoint
             resumed = pending.member.prompt + "".join(pending.answer.parts)
             left = None if key.max_tokens is None else max(1, key.max_tokens - pending.answer.events)
             retry_key = BatchKey(target, key.model, left, key.sampling)
-            if await self._call(target, retry_key, [pending], batch_id, [resumed]):
+            failed = await self._call(target, retry_key, [pending], batch_id, [resumed])
+            self.metrics.retries.labels("failed" if failed else "resumed").inc()
+            if failed:
                 pending.out.put_nowait(orjson.dumps({"error": {
                     "message": "the pod failed while generating this answer, and so did the retry",
                     "type": "server_error", "param": None, "code": "upstream_failed"}}) if not pending.member.stream
@@ -248,6 +292,11 @@ class Coordinator:
         return [p for i, p in enumerate(batch) if i not in finished]
 
 
+def _rank(pending: Pending) -> float:
+    """The order a queue's requests join a batch: arrival, moved back by the class's handicap."""
+    return pending.arrived + QOS_HANDICAP_S.get(pending.qos, 0.0)
+
+
 def _error(status: int, message: str, code: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": "invalid_request_error" if status < 500
                                         else "server_error", "param": None, "code": code}}, status=status)
@@ -263,6 +312,12 @@ def build_app(coordinator: Coordinator) -> web.Application:
     app.router.add_post("/v1/chat/completions", coordinator.handle)
     app.router.add_post("/v1/completions", coordinator.handle)
     app.router.add_get("/health", _health)
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(coordinator.metrics.registry),
+                            headers={"content-type": CONTENT_TYPE_LATEST})
+
+    app.router.add_get("/metrics", metrics)
 
     async def session(app: web.Application) -> object:
         coordinator.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
