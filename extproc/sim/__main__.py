@@ -1,7 +1,8 @@
 """``python -m extproc.sim``: run one simulated vLLM pod until SIGTERM/SIGINT.
 
-Once listening it prints exactly one line, ``READY http://HOST:PORT``, and flushes stdout
-(launchers wait for it). ``--port 0`` picks a free port.
+Once listening it prints ``READY http://HOST:PORT`` and flushes stdout (launchers wait for
+it); with ``--batch-grpc-port``, the line ``BATCH-GRPC HOST:PORT`` comes just before it. ``--port 0``
+(and ``--batch-grpc-port 0``) picks a free port.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from extproc.sim.faults import FaultConfig
 from extproc.sim.generate import DEFAULT_OUTPUT_LEN_MEAN, DEFAULT_OUTPUT_LEN_SIGMA, LengthModel
 from extproc.sim.options import DEFAULT_MODEL, SimOptions
 from extproc.sim.scheduler import ENGINE_KINDS
-from extproc.sim.server import build_app
+from extproc.sim.server import SIM_POD, build_app
 
 _SHUTDOWN_TIMEOUT_S = 1.0
 log = logging.getLogger("extproc.sim")
@@ -77,6 +78,9 @@ def parse_args(argv: Sequence[str] | None = None) -> SimOptions:
     faults.add_argument("--spike-ms", type=float, default=0.0, help="extra delay before the first token")
     faults.add_argument("--hang-rate", type=float, default=0.0, help="never answer")
     faults.add_argument("--crash-after", type=int, default=0, help="os._exit(1) after N requests")
+    p.add_argument("--batch-grpc-port", type=int, default=None, metavar="PORT",
+                   help="also serve the batch protocol llmgw.v1.BatchGeneration over gRPC on this "
+                        "port (0 picks a free one); off by default")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--record", type=int, default=0, metavar="N",
                    help="keep the last N requests for GET /debug/requests")
@@ -113,6 +117,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SimOptions:
             enable_lora=args.enable_lora,
             lora_modules=tuple(args.lora_modules),
             max_loras=args.max_loras,
+            batch_grpc_port=args.batch_grpc_port,
         )
     except ValueError as err:
         p.error(str(err))
@@ -126,7 +131,8 @@ def _lora_module(text: str) -> tuple[str, str]:
 
 
 async def serve(options: SimOptions) -> None:
-    """Serve until SIGTERM or SIGINT, announcing ``READY http://HOST:PORT`` on stdout."""
+    """Serve until SIGTERM or SIGINT, announcing ``READY http://HOST:PORT`` on stdout (after
+    ``BATCH-GRPC HOST:PORT`` when the batch protocol is on)."""
     app = build_app(options)
     # vLLM's server (uvicorn, h11) reads a 16 KiB header block with no limit per line: so does this.
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
@@ -140,6 +146,9 @@ async def serve(options: SimOptions) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     shown = f"[{host}]" if ":" in host else host
+    grpc_port = app[SIM_POD].batch_grpc_port
+    if grpc_port is not None:
+        print(f"BATCH-GRPC {shown}:{grpc_port}", flush=True)
     print(f"READY http://{shown}:{port}", flush=True)
     try:
         await stop.wait()

@@ -36,6 +36,7 @@ class SimOptions:
     enable_lora: bool = False
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path): vLLM --lora-modules name=path
     max_loras: int = 1  # distinct adapters in one batch (vLLM --max-loras, default 1)
+    batch_grpc_port: int | None = None  # serve llmgw.v1.BatchGeneration here (0: a free port); None: off
 
     @property
     def served_models(self) -> tuple[str, ...]:
@@ -57,6 +58,8 @@ class SimOptions:
             raise ValueError("record: must be >= 0")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port: not a TCP port: {self.port}")
+        if self.batch_grpc_port is not None and not 0 <= self.batch_grpc_port <= 65535:
+            raise ValueError(f"batch_grpc_port: not a TCP port: {self.batch_grpc_port}")
         if self.max_model_len < 1:
             raise ValueError("max_model_len: must be >= 1")
         if self.embedding_dim < 1:

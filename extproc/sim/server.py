@@ -2,9 +2,11 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``,
 ``GET /v1/models``, ``GET /health``, ``GET /metrics``, and ``GET``/``DELETE /debug/requests``
-(the last N received POST requests, with ``--record N``). POST requests echo ``x-request-id``
-and use it in the response id (vLLM's ``--enable-request-id-headers``). Everything the handlers decide
-lives in the pure modules; this one reads the wire, calls them, and writes the wire.
+(the last N received POST requests, with ``--record N``); with ``batch_grpc_port`` set, also
+``GET /llmgw/v1/batch`` (where the pod serves the batch protocol, ``batch_grpc.py``). POST
+requests echo ``x-request-id`` and use it in the response id (vLLM's
+``--enable-request-id-headers``). Everything the handlers decide lives in the pure modules; this
+one reads the wire, calls them, and writes the wire.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import random
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -64,8 +66,8 @@ class RecordedRequest:
         return {"method": self.method, "path": self.path, "headers": self.headers, "body": self.body}
 
 
-class _HttpError(Exception):
-    """An error answer: status, OpenAI error type, message, param."""
+class RequestError(Exception):
+    """A refused request: HTTP status, OpenAI error type, message, param."""
 
     def __init__(self, status: int, err_type: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -74,8 +76,20 @@ class _HttpError(Exception):
         self.param = param
 
 
-def _bad_request(message: str, param: str | None = None) -> _HttpError:
-    return _HttpError(400, "BadRequestError", message, param)
+def _bad_request(message: str, param: str | None = None) -> RequestError:
+    return RequestError(400, "BadRequestError", message, param)
+
+
+@dataclass(frozen=True, slots=True)
+class ValidGeneration:
+    """A generation request the pod accepts: the parsed body, the name to answer with, the LoRA
+    adapter it runs on, its prompts' token ids and the tokens each choice may generate."""
+
+    parsed: GenerationRequest
+    model: str
+    lora: str | None
+    prompt_ids: list[list[int]]
+    max_tokens: int
 
 
 def _exit_hard() -> None:
@@ -100,7 +114,8 @@ class SimPod:
         self.recorded: deque[RecordedRequest] | None = (
             deque(maxlen=options.record) if options.record else None)
         self.created = int(time.time())
-        self._closing = asyncio.Event()
+        self.closing = asyncio.Event()  # set when the server stops: releases injected hangs
+        self.batch_grpc_port: int | None = None  # bound by batch_grpc.serve_batch_grpc
         self._adapters = options.adapters
         self._served = frozenset(options.served_models) | self._adapters.keys()
         self._models_body = responses.model_list(options.served_models, self.created,
@@ -118,11 +133,13 @@ class SimPod:
         app.router.add_get("/metrics", self.metrics_page)
         app.router.add_get("/debug/requests", self.debug_requests)
         app.router.add_delete("/debug/requests", self.clear_debug_requests)
+        if self.options.batch_grpc_port is not None:
+            app.router.add_get("/llmgw/v1/batch", self.batch_info)
         app.cleanup_ctx.append(self._engine_task)
         app.on_shutdown.append(self._on_shutdown)
 
     async def _on_shutdown(self, _app: web.Application) -> None:
-        self._closing.set()  # releases injected hangs so that a stop is quick
+        self.closing.set()  # releases injected hangs so that a stop is quick
 
     async def _engine_task(self, _app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(self.engine.run(), name="sim-engine")
@@ -148,10 +165,19 @@ class SimPod:
         self.metrics.refresh_gauges(self.scheduler)
         return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
+    async def batch_info(self, _request: web.Request) -> web.Response:
+        """``GET /llmgw/v1/batch``: the pod serves ``llmgw.v1.BatchGeneration`` on this port of
+        its HTTP host (a vLLM pod answers 404: use its HTTP API)."""
+        if self.batch_grpc_port is None:  # not bound yet, or stopped
+            return _error_response(RequestError(503, "ServiceUnavailableError",
+                                                "the batch gRPC server is not running"))
+        body = orjson.dumps({"service": "llmgw.v1.BatchGeneration", "grpc_port": self.batch_grpc_port})
+        return web.Response(body=body, content_type="application/json")
+
     async def debug_requests(self, _request: web.Request) -> web.Response:
         """``GET /debug/requests``: the last recorded requests, oldest first."""
         if self.recorded is None:
-            return _error_response(_HttpError(404, "NotFoundError",
+            return _error_response(RequestError(404, "NotFoundError",
                                               "request recording is off (start with --record N)"))
         body = orjson.dumps({"requests": [r.to_json() for r in self.recorded]})
         return web.Response(body=body, content_type="application/json")
@@ -183,11 +209,15 @@ class SimPod:
         crash = self.faults.count_request()
         try:
             return await self._serve(request, operation, request_id, arrived)
-        except _HttpError as err:
+        except RequestError as err:
             return _error_response(err, request_id)
         finally:
             if crash:
-                asyncio.get_running_loop().call_later(_CRASH_DELAY_S, self._exit_process)
+                self.exit_soon()
+
+    def exit_soon(self) -> None:
+        """End the process (``crash_after``) once the last answer has left the socket."""
+        asyncio.get_running_loop().call_later(_CRASH_DELAY_S, self._exit_process)
 
     async def _serve(self, request: web.Request, operation: Operation, request_id: str,
                      arrived: float) -> web.StreamResponse:
@@ -201,10 +231,10 @@ class SimPod:
 
         decision = self.faults.decide()
         if decision.error_status is not None:
-            raise _HttpError(decision.error_status, ERROR_TYPES[decision.error_status],
+            raise RequestError(decision.error_status, ERROR_TYPES[decision.error_status],
                              "injected failure (simulated pod)")
         if decision.hang:
-            await _wait_for_disconnect(request, self._closing)
+            await _wait_for_disconnect(request, self.closing)
             return web.Response(status=503)
         if operation == "embedding":
             return await self._embed(body, request_id, arrived, decision.spike_s)
@@ -215,15 +245,15 @@ class SimPod:
         if model is None:
             return self.options.model
         if model not in self._served:
-            raise _HttpError(404, "NotFoundError", f"The model `{model}` does not exist.", "model")
+            raise RequestError(404, "NotFoundError", f"The model `{model}` does not exist.", "model")
         return model
 
     def _lora(self, model: str) -> str | None:
         """The LoRA adapter a request names as its model, else None (the base model)."""
         return model if model in self._adapters else None
 
-    async def _generate(self, request: web.Request, endpoint: Endpoint, body: object,
-                        request_id: str, arrived: float, spike_s: float) -> web.StreamResponse:
+    def validate_generation(self, endpoint: Endpoint, body: object) -> ValidGeneration:
+        """Check a chat or completions body as vLLM would; ``RequestError`` says why not."""
         try:
             parsed = parse_generation(endpoint, body)
         except InvalidRequest as err:
@@ -231,16 +261,22 @@ class SimPod:
         model = self._check_model(parsed.model)
         prompt_ids = self._prompt_ids(parsed.prompts, "messages" if endpoint == "chat" else "prompt")
         max_tokens = self._max_tokens(parsed, prompt_ids)
+        return ValidGeneration(parsed, model, self._lora(model), prompt_ids, max_tokens)
+
+    async def _generate(self, request: web.Request, endpoint: Endpoint, body: object,
+                        request_id: str, arrived: float, spike_s: float) -> web.StreamResponse:
+        valid = self.validate_generation(endpoint, body)
+        parsed, model = valid.parsed, valid.model
         if spike_s:
             await asyncio.sleep(spike_s)
 
-        tracker = self._plan(parsed, prompt_ids, max_tokens, arrived, self._lora(model))
+        tracker = RequestTracker(*self.plan_sequences(valid), parsed.stream, arrived)
         head = responses.ResponseHead(
             id=f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{request_id}",
             created=int(time.time()),
             model=model,
         )
-        usage_prompt = sum(len(ids) for ids in prompt_ids)
+        usage_prompt = sum(len(ids) for ids in valid.prompt_ids)
         self.engine.submit(tracker)
         try:
             if parsed.stream:
@@ -249,7 +285,7 @@ class SimPod:
                 await tracker.wait()
         finally:
             if not tracker.done:
-                self._abort(tracker)
+                self.abort(tracker)
         choices = [responses.ChoiceResult(i, plan.text, plan.finish_reason, plan.stop_reason)
                    for i, plan in enumerate(tracker.plans)]
         usage = self._usage(parsed, tracker, usage_prompt)
@@ -289,7 +325,7 @@ class SimPod:
                 await tracker.wait()
         finally:
             if not tracker.done:
-                self._abort(tracker)
+                self.abort(tracker)
         vectors = [embed(ids, dim) for ids in prompt_ids]
         if parsed.dimensions is not None:
             vectors = [truncate(v, parsed.dimensions) for v in vectors]
@@ -302,11 +338,18 @@ class SimPod:
     def _record(self, request: web.Request, body: object) -> None:
         if self.recorded is None:
             return
-        headers: dict[str, str] = {}
-        for name, value in request.headers.items():
+        self.record(request.method, request.path, request.headers.items(), body)
+
+    def record(self, method: str, path: str, headers: Iterable[tuple[str, str]], body: object) -> None:
+        """Keep one received request for ``/debug/requests`` (with ``--record N``); repeated
+        header names are joined with ", "."""
+        if self.recorded is None:
+            return
+        joined: dict[str, str] = {}
+        for name, value in headers:
             key = name.lower()
-            headers[key] = f"{headers[key]}, {value}" if key in headers else value
-        self.recorded.append(RecordedRequest(request.method, request.path, headers, body))
+            joined[key] = f"{joined[key]}, {value}" if key in joined else value
+        self.recorded.append(RecordedRequest(method, path, joined, body))
 
     def _prompt_ids(self, prompts: Sequence[Prompt], param: str) -> list[list[int]]:
         texts = [p.text for p in prompts if isinstance(p, TextPrompt)]
@@ -347,8 +390,9 @@ class SimPod:
                 "messages or completion.", "max_tokens")
         return parsed.max_tokens
 
-    def _plan(self, parsed: GenerationRequest, prompt_ids: list[list[int]], max_tokens: int,
-              arrived: float, lora: str | None) -> RequestTracker:
+    def plan_sequences(self, valid: ValidGeneration) -> tuple[list[SimSequence], list[OutputPlan]]:
+        """The engine sequences of an accepted request and what each will say, in choice order."""
+        parsed, prompt_ids, max_tokens, lora = valid.parsed, valid.prompt_ids, valid.max_tokens, valid.lora
         params = SamplingParams(max_tokens=max_tokens, temperature=parsed.temperature,
                                 seed=parsed.seed, stop=parsed.stop, ignore_eos=parsed.ignore_eos,
                                 min_tokens=parsed.min_tokens)
@@ -367,7 +411,7 @@ class SimPod:
                 plans.append(plan)
                 seqs.append(SimSequence(prompt_len=len(ids), block_hashes=hashes,
                                         output_len=len(plan.token_ids), lora=lora))
-        return RequestTracker(seqs, plans, parsed.stream, arrived)
+        return seqs, plans
 
     def _usage(self, parsed: GenerationRequest, tracker: RequestTracker,
                prompt_tokens: int) -> responses.Usage:
@@ -395,6 +439,7 @@ class SimPod:
                 await resp.write(b"".join(responses.chat_role_chunk(head, i) for i in range(len(plans))))
             while True:
                 await tracker.wait()
+                done = tracker.done  # read first: the engine may finish while this chunk is written
                 parts: list[bytes] = []
                 for index, plan in enumerate(plans):
                     delivered, already = tracker.delivered[index], sent[index]
@@ -409,7 +454,7 @@ class SimPod:
                         parts.append(delta_chunk(head, index, text, None, None))
                 if parts:
                     await resp.write(b"".join(parts))
-                if tracker.done:
+                if done:
                     break
             tail = [responses.SSE_DONE]
             if parsed.include_usage:
@@ -422,7 +467,8 @@ class SimPod:
             pass  # the client went away; the caller aborts what is left
         return resp
 
-    def _abort(self, tracker: RequestTracker) -> None:
+    def abort(self, tracker: RequestTracker) -> None:
+        """Stop what is left of ``tracker`` (its client went away); it counts as aborted."""
         undelivered = [index for index, plan in enumerate(tracker.plans)
                        if tracker.delivered[index] < len(plan.token_ids)]
         self.engine.abort(tracker)
@@ -455,7 +501,7 @@ async def _wait_for_disconnect(request: web.Request, closing: asyncio.Event) -> 
         await asyncio.sleep(_HANG_POLL_S)
 
 
-def _error_response(err: _HttpError, request_id: str | None = None) -> web.Response:
+def _error_response(err: RequestError, request_id: str | None = None) -> web.Response:
     headers = {REQUEST_ID_HEADER: request_id} if request_id else None
     return web.Response(status=err.status, content_type="application/json", headers=headers,
                         body=responses.error_body(str(err), err.err_type, err.status, err.param))
@@ -472,4 +518,10 @@ def build_app(options: SimOptions, tokenizer: SimTokenizer | None = None,
     app = web.Application(client_max_size=64 * 1024**2)
     app[SIM_POD] = pod
     pod.add_routes(app)
+    if options.batch_grpc_port is not None:
+        # Imported here: a pod without the batch protocol needs neither grpc nor its stubs.
+        from extproc.sim.batch_grpc import serve_batch_grpc
+
+        # After the engine's context, so it stops first (cleanup runs in reverse order).
+        app.cleanup_ctx.append(lambda _app: serve_batch_grpc(pod))
     return app
