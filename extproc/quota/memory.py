@@ -61,6 +61,21 @@ def _scope_key(scope: str, qos: str) -> str:
     return "t" if scope == "tenant" else f"q:{qos}"
 
 
+def _use_wal(db: sqlite3.Connection, timeout_s: float) -> None:
+    """Switch the file to WAL mode. The switch needs the file to itself, and SQLite answers "database
+    is locked" at once instead of waiting (its busy timeout does not cover it): several workers
+    starting together retry until the one switching is done."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)
+
+
 class MemoryStore:
     """The quota store without Redis: exact across this node's worker processes when given a path."""
 
@@ -75,7 +90,7 @@ class MemoryStore:
         self._db = sqlite3.connect(":memory:" if path is None else str(path),
                                    timeout=busy_timeout_s, isolation_level=None)
         if path is not None:
-            self._db.execute("PRAGMA journal_mode=WAL")
+            _use_wal(self._db, busy_timeout_s)
         # Quota state is rebuilt within a minute after a crash: durability is not worth an fsync.
         self._db.execute("PRAGMA synchronous=OFF")
         with self._transaction():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from extproc.quota.limits import DAY_MS, Admission, LimitKind, Limits, Quota
@@ -75,3 +77,23 @@ async def test_expired_lease_frees_its_slot_and_cannot_be_renewed(clock: Clock) 
     clock.ms += 1
     assert await admitted(store, quota, lease_id="c")  # expired at exactly its expiry
     assert await store.renew(lease) is None
+
+
+def test_workers_starting_together_wait_for_the_one_switching_the_file_to_wal(tmp_path: Path) -> None:
+    """SQLite answers "database is locked" at once to a journal-mode switch while another
+    connection holds the file (its busy timeout does not apply): the store retries."""
+    import sqlite3
+    import threading
+
+    path = tmp_path / "quota.sqlite"
+    holder = sqlite3.connect(str(path), isolation_level=None)
+    holder.execute("CREATE TABLE t (x)")
+    holder.execute("BEGIN EXCLUSIVE")
+    opened: list[MemoryStore] = []
+    thread = threading.Thread(target=lambda: opened.append(MemoryStore(path)))
+    thread.start()
+    thread.join(0.2)
+    assert thread.is_alive() and not opened  # waiting for the lock, not failed
+    holder.execute("COMMIT")
+    thread.join(10)
+    assert opened and sqlite3.connect(str(path)).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
