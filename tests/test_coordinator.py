@@ -287,7 +287,49 @@ def test_a_batch_class_request_yields_to_later_ones_but_not_forever() -> None:
     key, member = parse(chat("x"), "p:1", 1)
 
     def pending(qos: str, arrived: float) -> Pending:
-        return Pending(key, member, Answer(member, "id", "m"), None, 0.05, 32, 4096, qos, arrived)
+        return Pending(key, member, Answer(member, "id", "m"), None, 0.05, 32, 4096, qos, arrived=arrived)
 
     old_batch, newer, much_later = pending("batch", 10.0), pending("balanced", 10.5), pending("balanced", 11.5)
     assert sorted([old_batch, newer, much_later], key=_rank) == [newer, old_batch, much_later]
+
+
+async def test_one_span_per_batch_linked_to_its_members_and_parent_of_the_pod_call() -> None:
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from extproc.telemetry.tracing import RequestTracer
+
+    pod, seen = SteadyPod(), []
+    pod.release.clear()
+
+    async def recording(request: web.Request) -> web.StreamResponse:
+        seen.append(dict(request.headers))
+        return await pod.completions(request)
+
+    pod_client = await _serve(recording)
+    exporter = InMemorySpanExporter()
+    client = TestClient(TestServer(build_app(Coordinator(tracer=RequestTracer(SimpleSpanProcessor(exporter))))))
+    await client.start_server()
+    endpoint = f"127.0.0.1:{pod_client.port}"
+    members = [("a" * 32, "1" * 16, "01"), ("b" * 32, "2" * 16, "00")]  # sampled, and not
+
+    async def ask(i: int) -> None:
+        trace, span, flags = members[i]
+        response = await client.post("/v1/completions", data=orjson.dumps({"model": "m", "prompt": f"p{i}"}), headers={
+            "x-gateway-destination-endpoint": endpoint, "x-llmgw-batch": "wait_ms=5000; size=2",
+            "traceparent": f"00-{trace}-{span}-{flags}"})
+        assert response.status == 200
+
+    tasks = [asyncio.create_task(ask(i)) for i in range(2)]
+    while not pod.bodies:
+        await asyncio.sleep(0.01)
+    pod.release.set()
+    await asyncio.gather(*tasks)
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "batch m" and span.attributes["llmgw.batch.size"] == 2
+    assert [(f"{link.context.trace_id:032x}", f"{link.context.span_id:016x}") for link in span.links] == \
+        [("a" * 32, "1" * 16)]  # only sampled members' spans
+    assert seen[0]["traceparent"] == f"00-{span.context.trace_id:032x}-{span.context.span_id:016x}-01"
+    assert seen[0]["baggage"] == f"llmgw.batch_id={span.attributes['llmgw.batch.id']}"
+    await client.close()
+    await pod_client.close()

@@ -20,6 +20,7 @@ from aiohttp import web
 from extproc.config import ConfigError, GatewayConfig, load_config
 from extproc.coordinator.server import Coordinator, build_app
 from extproc.routing.podstate import PodStates, default_state_path, gather_forever
+from extproc.telemetry.tracing import RequestTracer
 
 
 async def serve(config: GatewayConfig, host: str, port: int) -> None:
@@ -32,7 +33,8 @@ async def serve(config: GatewayConfig, host: str, port: int) -> None:
         path = Path(scrape.path) if scrape.path else default_state_path(endpoints)
         gatherer = asyncio.create_task(gather_forever(lambda: endpoints, path, scrape.interval_s, states,
                                                       scrape.timeout_s))
-    coordinator = Coordinator(states)
+    tracer = RequestTracer.from_config(config.tracing) if config.tracing.enabled else None
+    coordinator = Coordinator(states, tracer)
     runner = web.AppRunner(build_app(coordinator), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
@@ -47,6 +49,8 @@ async def serve(config: GatewayConfig, host: str, port: int) -> None:
     if gatherer is not None:
         gatherer.cancel()
     await runner.cleanup()
+    if tracer is not None:
+        tracer.shutdown()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -33,6 +33,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from extproc.coordinator.merge import Answer, BatchKey, Member, MergeError, parse, pod_body, shares
 from extproc.coordinator.window import FULL, ROOM, WINDOW, AdaptiveWindow
+from extproc.telemetry.tracecontext import random_hex
+from extproc.telemetry.tracing import BatchSpan, RequestTracer
 
 log = logging.getLogger("llmgw.coordinator")
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
@@ -59,6 +61,7 @@ class Pending:
     size: int
     tokens: int
     qos: str = ""
+    trace: tuple[str, str, bool] | None = None  # the member's gateway span (its traceparent): trace, span, sampled
     arrived: float = field(default_factory=time.monotonic)
     out: asyncio.Queue[bytes | None] = field(default_factory=asyncio.Queue)  # None: the end
     dispatched: asyncio.Event = field(default_factory=asyncio.Event)
@@ -99,7 +102,8 @@ class CoordinatorMetrics:
 class Coordinator:
     """The queues, the calls in flight per pod, and the HTTP session to the pods."""
 
-    def __init__(self, states: object | None = None) -> None:
+    def __init__(self, states: object | None = None, tracer: RequestTracer | None = None) -> None:
+        self.tracer = tracer  # None: tracing off
         self.queues: dict[BatchKey, list[Pending]] = {}
         self._wakeups: dict[BatchKey, asyncio.Event] = {}
         self._dispatchers: dict[BatchKey, asyncio.Task[None]] = {}
@@ -129,7 +133,7 @@ class Coordinator:
         answer_id = ("chatcmpl-" if member.kind == "chat" else "cmpl-") + secrets.token_hex(16)
         pending = Pending(key, member, Answer(member, answer_id, key.model), picks[1] if len(picks) > 1 else None,
                           settings["wait_ms"] / 1000, int(settings["size"]), int(settings["tokens"]),
-                          request.headers.get(QOS_HEADER, ""))
+                          request.headers.get(QOS_HEADER, ""), _member_trace(request.headers.get("traceparent")))
         self._enqueue(pending)
         try:
             await pending.dispatched.wait()
@@ -211,20 +215,27 @@ class Coordinator:
                 pending = queue.pop(0)
                 budget -= pending.member.input_tokens
                 batch.append(pending)
-            asyncio.create_task(self._send(key, batch))
+            asyncio.create_task(self._send(key, batch, reason))
         self.queues.pop(key, None)
         self._wakeups.pop(key, None)
 
-    async def _send(self, key: BatchKey, batch: list[Pending]) -> None:
+    async def _send(self, key: BatchKey, batch: list[Pending], reason: str = WINDOW) -> None:
         batch_id = secrets.token_hex(8)
+        trace_id, span_id, start_ns = random_hex(16), random_hex(8), time.time_ns()
         self.metrics.size.labels(key.model).observe(len(batch))
         for pending in batch:
             pending.batch_id, pending.batch_size = batch_id, len(batch)
             pending.dispatched.set()
         started = time.monotonic()
-        unfinished = await self._call(key.endpoint, key, batch, batch_id, [p.member.prompt for p in batch])
+        unfinished = await self._call(key.endpoint, key, batch, batch_id, [p.member.prompt for p in batch],
+                                      f"00-{trace_id}-{span_id}-01")
         if key in self.windows and not unfinished:
             self.windows[key].answered(time.monotonic() - started)
+        if self.tracer is not None:
+            self.tracer.export_batch(BatchSpan(
+                batch_id, trace_id, span_id, key.model, key.endpoint, reason,
+                tuple(p.trace for p in batch if p.trace is not None), start_ns, time.time_ns(),
+                f"{len(unfinished)} of {len(batch)} answers cut" if unfinished else None))
         retry = [p for p in unfinished if not p.gone]
         for pending in retry:  # one by one, on the fallback, resumed after what the client already has
             target = pending.fallback or key.endpoint
@@ -242,7 +253,7 @@ class Coordinator:
                 pending.out.put_nowait(None)
 
     async def _call(self, endpoint: str, key: BatchKey, batch: list[Pending], batch_id: str,
-                    prompts: list[str]) -> list[Pending]:
+                    prompts: list[str], traceparent: str | None = None) -> list[Pending]:
         """One merged call; its members' answers are streamed and ended. Returns the members the
         pod did not finish (the call failed or was cut)."""
         assert self.session is not None
@@ -253,7 +264,8 @@ class Coordinator:
         try:
             async with self.session.post(
                     f"http://{endpoint}/v1/completions", data=pod_body(key, prompts),
-                    headers={"content-type": "application/json", "baggage": f"llmgw.batch_id={batch_id}"},
+                    headers={"content-type": "application/json", "baggage": f"llmgw.batch_id={batch_id}",
+                             **({"traceparent": traceparent} if traceparent else {})},
                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=POD_SILENCE_S)) as response:
                 if response.status != 200:
                     log.warning("pod %s answered %d to batch %s", endpoint, response.status, batch_id)
@@ -290,6 +302,19 @@ class Coordinator:
                 pending.out.put_nowait(pending.answer.end(share))
                 pending.out.put_nowait(None)
         return [p for i, p in enumerate(batch) if i not in finished]
+
+
+def _member_trace(header: str | None) -> tuple[str, str, bool] | None:
+    """A member's gateway span from the traceparent extproc sent (its span is the pod call's parent)."""
+    parts = (header or "").strip().split("-")
+    if len(parts) != 4 or len(parts[1]) != 32 or len(parts[2]) != 16:
+        return None
+    try:
+        int(parts[1], 16), int(parts[2], 16)
+        sampled = bool(int(parts[3], 16) & 1)
+    except ValueError:
+        return None
+    return parts[1], parts[2], sampled
 
 
 def _rank(pending: Pending) -> float:

@@ -11,11 +11,13 @@ Names follow the OpenTelemetry GenAI semantic conventions (``gen_ai.*``), ``llmg
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.util.types import AttributeValue
 
 from extproc.accounting import RequestRecord
@@ -60,6 +62,22 @@ class Sampler:
         if parent_flags is not None:
             return parent_flags
         return "01" if self.sampled(trace_id_hex, None) else "00"
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSpan:
+    """What the coordinator knows of one merged call, for its span."""
+
+    batch_id: str
+    trace_id: str  # 32 hex: the batch's own trace
+    span_id: str  # 16 hex: also the pod call's parent (its traceparent)
+    model: str
+    endpoint: str
+    reason: str  # why the batch left (full, window, room)
+    members: tuple[tuple[str, str, bool], ...]  # each member's gateway span: (trace id, span id, sampled)
+    start_ns: int
+    end_ns: int
+    error: str | None = None
 
 
 class RequestTracer:
@@ -109,6 +127,26 @@ class RequestTracer:
             context=context, parent=parent, resource=self._resource, attributes=_attributes(record),
             events=events, kind=SpanKind.CLIENT, status=status, start_time=d.started_ns,
             end_time=max(record.end_ns, d.started_ns), instrumentation_scope=self._scope))
+
+    def export_batch(self, batch: BatchSpan) -> None:
+        """Write the span of one merged call to a pod (nothing when no member's trace is sampled):
+        kind CLIENT, the root of a trace of its own (its members are in many traces), linked to
+        every member's gateway span."""
+        sampled = [(trace, span) for trace, span, is_sampled in batch.members if is_sampled]
+        if not sampled:
+            return
+        context = SpanContext(int(batch.trace_id, 16), int(batch.span_id, 16), is_remote=False, trace_flags=_SAMPLED)
+        links = tuple(Link(SpanContext(int(trace, 16), int(span, 16), is_remote=True, trace_flags=_SAMPLED))
+                      for trace, span in sampled)
+        attributes: dict[str, AttributeValue] = {
+            "gen_ai.operation.name": "text_completion", "gen_ai.request.model": batch.model,
+            "server.address": batch.endpoint, "llmgw.batch.id": batch.batch_id, "llmgw.batch.size": len(batch.members),
+            "llmgw.batch.reason": batch.reason}
+        status = _OK if batch.error is None else Status(_ERROR, batch.error)
+        self._processor.on_end(ReadableSpan(
+            name=f"batch {batch.model}", context=context, parent=None, resource=self._resource,
+            attributes=attributes, links=links, kind=SpanKind.CLIENT, status=status, start_time=batch.start_ns,
+            end_time=max(batch.end_ns, batch.start_ns), instrumentation_scope=self._scope))
 
     def shutdown(self) -> None:
         """Send the spans still queued, then stop the exporter."""
