@@ -27,7 +27,7 @@ import orjson
 import yaml
 from rich.progress import Progress
 
-from bench.common import RESULTS, emit, median, percentile
+from bench.common import emit, median, percentile
 from extproc.launcher import LocalStack, StackOptions
 
 LANES = ("direct", "batched")
