@@ -333,3 +333,58 @@ async def test_one_span_per_batch_linked_to_its_members_and_parent_of_the_pod_ca
     assert seen[0]["baggage"] == f"llmgw.batch_id={span.attributes['llmgw.batch.id']}"
     await client.close()
     await pod_client.close()
+
+
+async def test_pods_that_speak_the_batch_protocol_get_one_call_with_each_prompts_own_parameters() -> None:
+    from extproc.coordinator.merge import PROTOCOL, protocol_key
+    from extproc.coordinator.server import Pending
+    from extproc.resources import DEFAULT_TOKENIZER
+    from extproc.sim import SimOptions
+    from extproc.sim import build_app as build_pod
+    from extproc.sim.tokens import SimTokenizer
+
+    pod_app = build_pod(SimOptions(time_scale=0.0, batch_grpc_port=0, record=10),
+                        SimTokenizer.from_spec(DEFAULT_TOKENIZER))
+    pod = TestClient(TestServer(pod_app))
+    await pod.start_server()
+    endpoint = f"127.0.0.1:{pod.port}"
+    coordinator = Coordinator()
+    client = TestClient(TestServer(build_app(coordinator)))
+    await client.start_server()
+    headers = {"x-gateway-destination-endpoint": endpoint, "x-llmgw-batch": "wait_ms=0"}
+    first = await client.post("/v1/completions", headers=headers,
+                              data=orjson.dumps({"model": "llama-3-8b-instruct", "prompt": "hi", "max_tokens": 2}))
+    assert first.status == 200  # over HTTP: the pod's answer to "do you speak it?" was not in yet
+    for _ in range(500):
+        if coordinator._protocols.get(endpoint, (None, 0))[0] is not None:
+            break
+        await asyncio.sleep(0.01)
+    assert coordinator._protocols[endpoint][0] is not None
+
+    bodies = [{"prompt": "one", "max_tokens": 3, "temperature": 0.1},
+              {"prompt": "two", "max_tokens": 5, "temperature": 0.9, "seed": 7},
+              {"messages": [{"role": "user", "content": "three"}], "max_tokens": 7, "stream": True,
+               "stream_options": {"include_usage": True}}]
+    batch = []
+    for body in bodies:
+        key, member = parse(orjson.dumps({"model": "llama-3-8b-instruct", "ignore_eos": True, **body}), endpoint, 0)
+        shared = protocol_key(key, member)
+        assert shared is not None and shared.sampling == PROTOCOL
+        batch.append(Pending(shared, member, Answer(member, f"id{len(batch)}", shared.model), None, 0, 32, 4096))
+    assert len({p.key for p in batch}) == 1  # different parameters, one queue
+    await coordinator._send(batch[0].key, batch)
+    outputs = []
+    for pending in batch:
+        parts = []
+        while (chunk := await pending.out.get()) is not None:
+            parts.append(chunk)
+        outputs.append(b"".join(parts))
+    plain = [orjson.loads(out) for out in outputs[:2]]
+    assert [p["usage"]["completion_tokens"] for p in plain] == [3, 5]  # exact, from the protocol
+    streamed = [orjson.loads(line[6:]) for line in outputs[2].split(b"\n\n") if line.startswith(b"data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in streamed if c["choices"])
+    assert streamed[-1]["usage"]["completion_tokens"] == 7  # a delta may hold several steps' tokens
+    calls = [r for r in (await (await pod.get("/debug/requests")).json())["requests"] if "batch" in str(r).lower()]
+    assert calls  # the gRPC call is in the pod's record
+    await client.close()
+    await pod.close()

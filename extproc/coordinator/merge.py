@@ -55,6 +55,7 @@ class Member:
     stream: bool
     include_usage: bool
     input_tokens: int  # the gateway's count (x-llmgw-input-tokens)
+    params: tuple[tuple[str, Any], ...] = ()  # its own sampling parameters (the batch protocol carries them)
 
 
 def parse(body: bytes, endpoint: str, input_tokens: int) -> tuple[BatchKey, Member]:
@@ -85,7 +86,25 @@ def parse(body: bytes, endpoint: str, input_tokens: int) -> tuple[BatchKey, Memb
     options = raw.get("stream_options") or {}
     key = BatchKey(endpoint, raw["model"], limit if isinstance(limit, int) else None,
                    orjson.dumps(shared, option=orjson.OPT_SORT_KEYS))
-    return key, Member(kind, prompt, bool(raw.get("stream")), bool(options.get("include_usage")), input_tokens)
+    params = {name: raw[name] for name in PROTOCOL_PARAMS if raw.get(name) is not None}
+    if isinstance(limit, int):
+        params["max_tokens"] = limit
+    return key, Member(kind, prompt, bool(raw.get("stream")), bool(options.get("include_usage")), input_tokens,
+                       tuple(sorted(params.items())))
+
+
+# What the batch protocol carries per prompt (protos/llmgw/v1/batch.proto SamplingParams).
+PROTOCOL_PARAMS = ("temperature", "top_p", "stop", "seed", "ignore_eos", "min_tokens")
+PROTOCOL = b"llmgw.v1"  # the sampling part of a key whose members go over the batch protocol
+
+
+def protocol_key(key: BatchKey, member: Member) -> BatchKey | None:
+    """For a pod that speaks the batch protocol: one queue per pod and model, whatever the sampling
+    parameters, when the protocol carries all of the member's (else None: the HTTP key)."""
+    shared = orjson.loads(key.sampling)
+    if any(name not in PROTOCOL_PARAMS for name in shared):
+        return None
+    return BatchKey(key.endpoint, key.model, None, PROTOCOL)
 
 
 def pod_body(key: BatchKey, prompts: Sequence[str]) -> bytes:

@@ -26,13 +26,26 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import aiohttp
+import grpc
 import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter as MetricCounter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from extproc.coordinator.merge import Answer, BatchKey, Member, MergeError, parse, pod_body, shares
+from extproc.coordinator.merge import (
+    PROTOCOL,
+    Answer,
+    BatchKey,
+    Member,
+    MergeError,
+    Usage,
+    parse,
+    pod_body,
+    protocol_key,
+    shares,
+)
 from extproc.coordinator.window import FULL, ROOM, WINDOW, AdaptiveWindow
+from extproc.protos.llmgw.v1 import batch_pb2, batch_pb2_grpc
 from extproc.telemetry.tracecontext import random_hex
 from extproc.telemetry.tracing import BatchSpan, RequestTracer
 
@@ -46,7 +59,8 @@ QOS_HEADER = "x-llmgw-qos"
 # ahead of one that arrived this much after it (aging: nothing starves), realtime ahead of all.
 QOS_HANDICAP_S = {"batch": 1.0, "realtime": -1.0}
 MAX_WINDOWS = 4096  # queues' adaptive windows remembered
-POD_SILENCE_S = 120.0  # the longest a pod may stay silent before the call counts as failed
+POD_SILENCE_S = 120.0
+PROTOCOL_RECHECK_S = 30.0  # how often a pod is asked again whether it speaks the batch protocol  # the longest a pod may stay silent before the call counts as failed
 
 
 @dataclass(eq=False)
@@ -67,6 +81,7 @@ class Pending:
     dispatched: asyncio.Event = field(default_factory=asyncio.Event)
     batch_id: str = ""
     batch_size: int = 0
+    status: int = 200  # of a plain answer: the pod's refusal, or 502 when the pod and the retry failed
     gone: bool = False  # the client went away
 
 
@@ -109,6 +124,9 @@ class Coordinator:
         self._dispatchers: dict[BatchKey, asyncio.Task[None]] = {}
         self.windows: dict[BatchKey, AdaptiveWindow] = {}  # kept while the queue lives, and a while after
         self.in_flight: Counter[str] = Counter()
+        # pod -> (its batch-protocol address, or None for vLLM's HTTP API; when it was asked)
+        self._protocols: dict[str, tuple[str | None, float]] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
         self._sent_at: dict[str, float] = {}  # wall-clock time of the last call to each pod
         self.states = states  # the node's pod states (extproc.routing.podstate.PodStates), if read
         self.session: aiohttp.ClientSession | None = None
@@ -129,6 +147,8 @@ class Coordinator:
             key, member = parse(await request.read(), picks[0], tokens)
         except MergeError as error:
             return _error(400, f"this request cannot be batched: {error}", "invalid_request_error")
+        if self._protocol_address(key.endpoint) is not None and (shared := protocol_key(key, member)) is not None:
+            key = shared  # the batch protocol carries each prompt's own sampling parameters
         settings = _settings(request.headers.get(BATCH_HEADER))
         answer_id = ("chatcmpl-" if member.kind == "chat" else "cmpl-") + secrets.token_hex(16)
         pending = Pending(key, member, Answer(member, answer_id, key.model), picks[1] if len(picks) > 1 else None,
@@ -140,10 +160,8 @@ class Coordinator:
             headers = {"x-llmgw-batch-id": pending.batch_id, "x-llmgw-batch-size": str(pending.batch_size)}
             if not member.stream:
                 body = await pending.out.get()
-                status = 200
-                if body is not None and body.startswith(b'{"error"'):
-                    status = 502
-                return web.Response(body=body, status=status, content_type="application/json", headers=headers)
+                return web.Response(body=body, status=pending.status, content_type="application/json",
+                                    headers=headers)
             response = web.StreamResponse(headers={**headers, "content-type": "text/event-stream",
                                                    "cache-control": "no-cache"})
             await response.prepare(request)
@@ -173,6 +191,31 @@ class Coordinator:
         task = self._dispatchers.get(pending.key)
         if task is None or task.done():
             self._dispatchers[pending.key] = asyncio.create_task(self._dispatch(pending.key))
+
+    def _protocol_address(self, endpoint: str) -> str | None:
+        """The pod's batch-protocol address if it declared one (``GET /llmgw/v1/batch``), asked
+        again every ``PROTOCOL_RECHECK_S``; until the first answer, None (vLLM's HTTP API)."""
+        known = self._protocols.get(endpoint)
+        if known is None or time.monotonic() - known[1] > PROTOCOL_RECHECK_S:
+            self._protocols[endpoint] = (known[0] if known else None, time.monotonic())
+            asyncio.create_task(self._discover(endpoint))
+        return self._protocols[endpoint][0]
+
+    async def _discover(self, endpoint: str) -> None:
+        address = None
+        try:
+            assert self.session is not None
+            async with self.session.get(f"http://{endpoint}/llmgw/v1/batch",
+                                        timeout=aiohttp.ClientTimeout(total=1.0)) as response:
+                if response.status == 200:
+                    port = (await response.json()).get("grpc_port")
+                    if isinstance(port, int):
+                        address = f"{endpoint.rpartition(':')[0]}:{port}"
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            pass
+        if address != self._protocols.get(endpoint, (None, 0.0))[0]:
+            log.info("pod %s: %s", endpoint, f"batch protocol at {address}" if address else "vLLM's HTTP API")
+        self._protocols[endpoint] = (address, time.monotonic())
 
     def has_room(self, endpoint: str) -> bool:
         """Work-conserving: send now when the pod would start at once. It would with no call of
@@ -227,8 +270,16 @@ class Coordinator:
             pending.batch_id, pending.batch_size = batch_id, len(batch)
             pending.dispatched.set()
         started = time.monotonic()
-        unfinished = await self._call(key.endpoint, key, batch, batch_id, [p.member.prompt for p in batch],
-                                      f"00-{trace_id}-{span_id}-01")
+        traceparent = f"00-{trace_id}-{span_id}-01"
+        address = self._protocols.get(key.endpoint, (None, 0.0))[0] if key.sampling == PROTOCOL else None
+        if address is not None:
+            unfinished = await self._call_protocol(address, key, batch, batch_id, traceparent)
+        else:
+            if key.sampling == PROTOCOL:  # the pod stopped declaring it: HTTP, one prompt's parameters each
+                unfinished = batch
+            else:
+                unfinished = await self._call(key.endpoint, key, batch, batch_id, [p.member.prompt for p in batch],
+                                              traceparent)
         if key in self.windows and not unfinished:
             self.windows[key].answered(time.monotonic() - started)
         if self.tracer is not None:
@@ -240,17 +291,67 @@ class Coordinator:
         for pending in retry:  # one by one, on the fallback, resumed after what the client already has
             target = pending.fallback or key.endpoint
             resumed = pending.member.prompt + "".join(pending.answer.parts)
-            left = None if key.max_tokens is None else max(1, key.max_tokens - pending.answer.events)
-            retry_key = BatchKey(target, key.model, left, key.sampling)
+            params = dict(pending.member.params)
+            limit = params.pop("max_tokens", None) if key.sampling == PROTOCOL else key.max_tokens
+            left = None if limit is None else max(1, limit - pending.answer.events)
+            sampling = orjson.dumps(params, option=orjson.OPT_SORT_KEYS) if key.sampling == PROTOCOL else key.sampling
+            retry_key = BatchKey(target, key.model, left, sampling)
             failed = await self._call(target, retry_key, [pending], batch_id, [resumed])
             self.metrics.retries.labels("failed" if failed else "resumed").inc()
             if failed:
+                pending.status = 502
                 pending.out.put_nowait(orjson.dumps({"error": {
                     "message": "the pod failed while generating this answer, and so did the retry",
                     "type": "server_error", "param": None, "code": "upstream_failed"}}) if not pending.member.stream
                     else b'data: {"error":{"message":"the pod failed while generating this answer",'
                          b'"type":"server_error","param":null,"code":"upstream_failed"}}\n\ndata: [DONE]\n\n')
                 pending.out.put_nowait(None)
+
+    async def _call_protocol(self, address: str, key: BatchKey, batch: list[Pending], batch_id: str,
+                             traceparent: str) -> list[Pending]:
+        """One call of the batch protocol: each member with its own sampling parameters, and its
+        own exact usage in its last delta. Returns the members not finished (cut, or refused)."""
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+        request = batch_pb2.GenerateRequest(model=key.model, batch_id=batch_id, items=[
+            batch_pb2.BatchItem(index=i, text=p.member.prompt, params=_sampling(p.member))
+            for i, p in enumerate(batch)])
+        finished: set[int] = set()
+        self.in_flight[key.endpoint] += 1
+        self._sent_at[key.endpoint] = time.time()
+        try:
+            call = batch_pb2_grpc.BatchGenerationStub(channel).Generate(
+                request, metadata=(("traceparent", traceparent), ("baggage", f"llmgw.batch_id={batch_id}")))
+            async for response in call:
+                for delta in response.deltas:
+                    if not 0 <= delta.index < len(batch):
+                        continue
+                    pending = batch[delta.index]
+                    if delta.HasField("error"):
+                        finished.add(delta.index)
+                        if not pending.gone:
+                            pending.out.put_nowait(_item_error(pending, delta.error))
+                            pending.out.put_nowait(None)
+                        continue
+                    event = pending.answer.delta(delta.text, delta.finish_reason or None)
+                    if event and not pending.gone:
+                        pending.out.put_nowait(event)
+                    if delta.HasField("usage"):
+                        finished.add(delta.index)
+                        usage = Usage(delta.usage.prompt_tokens, delta.usage.completion_tokens,
+                                      delta.usage.cached_tokens)
+                        if not pending.gone:
+                            pending.out.put_nowait(pending.answer.end(usage))
+                            pending.out.put_nowait(None)
+        except grpc.aio.AioRpcError as error:
+            log.warning("batch %s to pod %s (batch protocol) failed: %s", batch_id, address, error.code().name)
+        finally:
+            self.in_flight[key.endpoint] -= 1
+            for waiting_key, wakeup in self._wakeups.items():
+                if waiting_key.endpoint == key.endpoint:
+                    wakeup.set()
+        return [p for i, p in enumerate(batch) if i not in finished]
 
     async def _call(self, endpoint: str, key: BatchKey, batch: list[Pending], batch_id: str,
                     prompts: list[str], traceparent: str | None = None) -> list[Pending]:
@@ -322,6 +423,23 @@ def _rank(pending: Pending) -> float:
     return pending.arrived + QOS_HANDICAP_S.get(pending.qos, 0.0)
 
 
+def _item_error(pending: Pending, error: batch_pb2.Error) -> bytes:
+    """A member the pod refused: its OpenAI error (as SSE for a streaming client)."""
+    pending.status = error.status or 400
+    body = orjson.dumps({"error": {"message": error.message, "type": error.type or "invalid_request_error",
+                                   "param": error.param or None, "code": None}})
+    return b"data: " + body + b"\n\ndata: [DONE]\n\n" if pending.member.stream else body
+
+
+def _sampling(member: Member) -> batch_pb2.SamplingParams:
+    params = dict(member.params)
+    stop = params.get("stop")
+    return batch_pb2.SamplingParams(
+        max_tokens=params.get("max_tokens"), temperature=params.get("temperature"), top_p=params.get("top_p"),
+        stop=[stop] if isinstance(stop, str) else list(stop or ()), seed=params.get("seed"),
+        ignore_eos=bool(params.get("ignore_eos")), min_tokens=int(params.get("min_tokens") or 0))
+
+
 def _error(status: int, message: str, code: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": "invalid_request_error" if status < 500
                                         else "server_error", "param": None, "code": code}}, status=status)
@@ -348,6 +466,8 @@ def build_app(coordinator: Coordinator) -> web.Application:
         coordinator.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         yield
         await coordinator.session.close()
+        for channel in coordinator._channels.values():
+            await channel.close()
 
     app.cleanup_ctx.append(session)
     return app
