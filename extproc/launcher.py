@@ -537,6 +537,8 @@ class LocalStack:
             adapters = [f"{m.name}=/adapters/{m.name}" for m in spec.models if m.pool == pool.name and m.lora]
             if adapters:  # LoRA adapters the simulated pods load on demand, as vLLM's --lora-modules
                 served += ["--enable-lora", "--lora-modules", *adapters]
+            if pool.batching.enabled:  # the coordinator finds it (GET /llmgw/v1/batch) and uses it
+                served += ["--batch-grpc-port", "0"]
             for i in range(pool.simulate):
                 child = self.group.spawn(f"pod-{pool.name}-{i + 1}", self._pod_argv(served))
                 started.append((pool.name, child, served))

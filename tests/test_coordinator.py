@@ -174,7 +174,7 @@ async def test_requests_arriving_while_the_pod_is_busy_leave_together() -> None:
     metrics = await (await client.get("/metrics")).text()
     assert 'llmgw_batch_departures_total{reason="room"} 1.0' in metrics
     assert 'llmgw_batch_departures_total{reason="full"} 1.0' in metrics
-    assert 'llmgw_batch_size_sum{gen_ai_request_model="m"} 4.0' in metrics
+    assert 'llmgw_batch_size_sum{gen_ai_request_model="m",protocol="http"} 4.0' in metrics
     await client.close()
     await pod_client.close()
 

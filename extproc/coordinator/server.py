@@ -102,8 +102,10 @@ class CoordinatorMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.size = Histogram("llmgw_batch_size", "Requests merged into one call to a pod", ("gen_ai_request_model",),
-                              buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=self.registry)
+        self.size = Histogram("llmgw_batch_size", "Requests merged into one call to a pod, by the pod's protocol "
+                              "(http: vLLM's /v1/completions; llmgw.v1: the batch protocol)",
+                              ("gen_ai_request_model", "protocol"), buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+                              registry=self.registry)
         self.departures = MetricCounter("llmgw_batch_departures", "Batches sent, by why they left: full (size or "
                                         "tokens), window (the wait ended), room (the pod could start it at once)",
                                         ("reason",), registry=self.registry)
@@ -265,13 +267,13 @@ class Coordinator:
     async def _send(self, key: BatchKey, batch: list[Pending], reason: str = WINDOW) -> None:
         batch_id = secrets.token_hex(8)
         trace_id, span_id, start_ns = random_hex(16), random_hex(8), time.time_ns()
-        self.metrics.size.labels(key.model).observe(len(batch))
         for pending in batch:
             pending.batch_id, pending.batch_size = batch_id, len(batch)
             pending.dispatched.set()
         started = time.monotonic()
         traceparent = f"00-{trace_id}-{span_id}-01"
         address = self._protocols.get(key.endpoint, (None, 0.0))[0] if key.sampling == PROTOCOL else None
+        self.metrics.size.labels(key.model, "llmgw.v1" if address is not None else "http").observe(len(batch))
         if address is not None:
             unfinished = await self._call_protocol(address, key, batch, batch_id, traceparent)
         else:

@@ -94,3 +94,38 @@ def test_with_the_coordinator_down_requests_go_direct(tmp_path_factory: pytest.T
                 pass
             assert time.monotonic() < deadline, "requests still go to a dead coordinator"
         assert raw.parse().choices[0].message.content
+
+
+def test_requests_with_different_parameters_share_a_batch_protocol_call(batching: StackInfo) -> None:
+    import httpx
+    import yaml
+
+    coordinator = yaml.safe_load(batching.config_path.read_text())["server"]["coordinator"]
+
+    def protocol_figures(kind: str) -> float:
+        text = httpx.get(f"http://{coordinator}/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(f'llmgw_batch_size_{kind}{{') and 'protocol="llmgw.v1"' in line)
+
+    def protocol_batches() -> float:
+        return protocol_figures("sum")
+
+    deadline = time.monotonic() + 30
+    while protocol_batches() == 0:  # the coordinator learns that the pod speaks it after its first call
+        _ask(batching, 100)
+        assert time.monotonic() < deadline, "no batch went over the batch protocol"
+    before, calls_before = protocol_batches(), protocol_figures("count")
+    client = _client(batching)
+
+    def ask(temperature: float) -> str:
+        answer = client.completions.create(model=MODEL, prompt=f"t={temperature}", max_tokens=4,
+                                           temperature=temperature)
+        return answer.choices[0].text
+
+    first = threading.Thread(target=_ask, args=(batching, 99))  # keeps the pod's one batch busy
+    first.start()
+    with ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(ask, (0.1, 0.4, 0.7, 1.0)))
+    first.join(60)
+    assert all(texts) and protocol_batches() - before >= 4
+    assert protocol_figures("count") - calls_before < protocol_batches() - before  # merged: fewer calls than requests
