@@ -43,9 +43,9 @@ def redis_and_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
         redis.stop()
 
 
-async def _burst(base_url: str, count: int) -> Counter[int]:
+async def _burst(base_url: str, count: int, concurrency: int) -> Counter[int]:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    connector = aiohttp.TCPConnector(limit=count)
+    connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector, headers={"authorization": f"Bearer {KEY}"}) as session:
         async def one() -> int:
             async with session.post(f"{base_url}/v1/chat/completions", json=body) as response:
@@ -55,9 +55,11 @@ async def _burst(base_url: str, count: int) -> Counter[int]:
         return Counter(await asyncio.gather(*(one() for _ in range(count))))
 
 
-def test_500_concurrent_requests_against_100_rpm_admit_exactly_100(redis_and_stack) -> None:  # noqa: ANN001
+def test_500_requests_100_at_a_time_against_100_rpm_admit_exactly_100(redis_and_stack) -> None:  # noqa: ANN001
+    # 100 in flight at once: all 500 at once queued past Envoy's 2 s ext_proc message timeout
+    # beside a CPU hog (504 for 50 of them), which is overload, not what this test is about.
     _, stack = redis_and_stack
-    statuses = asyncio.run(_burst(stack.base_url, 500))
+    statuses = asyncio.run(_burst(stack.base_url, 500, 100))
     assert statuses == {200: 100, 429: 400}
 
 
