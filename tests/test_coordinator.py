@@ -140,12 +140,17 @@ class ScriptedPod:
         return response
 
 
+async def _serve(handler: object) -> TestClient:
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)  # type: ignore[arg-type]
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    return client
+
+
 async def test_requests_arriving_while_the_pod_is_busy_leave_together() -> None:
     pod = ScriptedPod()
-    app = web.Application()
-    app.router.add_post("/v1/completions", pod.completions)
-    pod_client = TestClient(TestServer(app))
-    await pod_client.start_server()
+    pod_client = await _serve(pod.completions)
     endpoint = f"127.0.0.1:{pod_client.port}"
     coordinator = Coordinator()
     client = TestClient(TestServer(build_app(coordinator)))
@@ -208,14 +213,6 @@ class SteadyPod(ScriptedPod):
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.json())
         return await super().completions(request)
-
-
-async def _serve(handler: object) -> TestClient:
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)  # type: ignore[arg-type]
-    client = TestClient(TestServer(app))
-    await client.start_server()
-    return client
 
 
 async def test_a_batch_cut_mid_answer_is_resumed_on_the_fallback_pod() -> None:

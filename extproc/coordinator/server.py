@@ -309,6 +309,18 @@ class Coordinator:
                          b'"type":"server_error","param":null,"code":"upstream_failed"}}\n\ndata: [DONE]\n\n')
                 pending.out.put_nowait(None)
 
+    def _calling(self, endpoint: str) -> None:
+        """A call to ``endpoint`` goes out (``has_room`` counts it)."""
+        self.in_flight[endpoint] += 1
+        self._sent_at[endpoint] = time.time()
+
+    def _called(self, endpoint: str) -> None:
+        """A call to ``endpoint`` ended: the pod may have room again for the queues waiting on it."""
+        self.in_flight[endpoint] -= 1
+        for waiting_key, wakeup in self._wakeups.items():
+            if waiting_key.endpoint == endpoint:
+                wakeup.set()
+
     async def _call_protocol(self, address: str, key: BatchKey, batch: list[Pending], batch_id: str,
                              traceparent: str) -> list[Pending]:
         """One call of the batch protocol: each member with its own sampling parameters, and its
@@ -320,8 +332,7 @@ class Coordinator:
             batch_pb2.BatchItem(index=i, text=p.member.prompt, params=_sampling(p.member))
             for i, p in enumerate(batch)])
         finished: set[int] = set()
-        self.in_flight[key.endpoint] += 1
-        self._sent_at[key.endpoint] = time.time()
+        self._calling(key.endpoint)
         try:
             call = batch_pb2_grpc.BatchGenerationStub(channel).Generate(
                 request, metadata=(("traceparent", traceparent), ("baggage", f"llmgw.batch_id={batch_id}")))
@@ -349,10 +360,7 @@ class Coordinator:
         except grpc.aio.AioRpcError as error:
             log.warning("batch %s to pod %s (batch protocol) failed: %s", batch_id, address, error.code().name)
         finally:
-            self.in_flight[key.endpoint] -= 1
-            for waiting_key, wakeup in self._wakeups.items():
-                if waiting_key.endpoint == key.endpoint:
-                    wakeup.set()
+            self._called(key.endpoint)
         return [p for i, p in enumerate(batch) if i not in finished]
 
     async def _call(self, endpoint: str, key: BatchKey, batch: list[Pending], batch_id: str,
@@ -360,8 +368,7 @@ class Coordinator:
         """One merged call; its members' answers are streamed and ended. Returns the members the
         pod did not finish (the call failed or was cut)."""
         assert self.session is not None
-        self.in_flight[endpoint] += 1
-        self._sent_at[endpoint] = time.time()
+        self._calling(endpoint)
         finished: set[int] = set()
         usage = None
         try:
@@ -393,10 +400,7 @@ class Coordinator:
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as error:
             log.warning("batch %s to pod %s failed: %s", batch_id, endpoint, error or type(error).__name__)
         finally:
-            self.in_flight[endpoint] -= 1
-            for waiting_key, wakeup in self._wakeups.items():  # the pod has room again
-                if waiting_key.endpoint == endpoint:
-                    wakeup.set()
+            self._called(endpoint)
         done = [p for i, p in enumerate(batch) if i in finished]
         for pending, share in zip(batch, shares(usage if len(done) == len(batch) else None,
                                                 [p.member for p in batch], [p.answer.events for p in batch]),
