@@ -385,3 +385,20 @@ async def test_pods_that_speak_the_batch_protocol_get_one_call_with_each_prompts
     assert calls  # the gRPC call is in the pod's record
     await client.close()
     await pod.close()
+
+
+async def test_a_bug_in_a_batch_answers_its_members_with_a_500_not_silence() -> None:
+    class Broken(Coordinator):
+        async def _call(self, *args: object, **kwargs: object) -> list:  # type: ignore[override]
+            raise RuntimeError("a bug")
+
+    client = TestClient(TestServer(build_app(Broken())))
+    await client.start_server()
+    headers = {"x-gateway-destination-endpoint": "127.0.0.1:9", "x-llmgw-batch": "wait_ms=0"}
+    plain = await client.post("/v1/completions", headers=headers,
+                              data=orjson.dumps({"model": "m", "prompt": "x", "max_tokens": 3}))
+    assert plain.status == 500 and (await plain.json())["error"]["code"] == "internal_error"
+    streamed = await client.post("/v1/completions", headers=headers,
+                                 data=orjson.dumps({"model": "m", "prompt": "x", "max_tokens": 3, "stream": True}))
+    assert b'"code":"internal_error"' in await streamed.read()
+    await client.close()

@@ -81,7 +81,13 @@ class Pending:
     dispatched: asyncio.Event = field(default_factory=asyncio.Event)
     batch_id: str = ""
     batch_size: int = 0
+    ended: bool = False  # its answer's end was handed to the client's handler
     status: int = 200  # of a plain answer: the pod's refusal, or 502 when the pod and the retry failed
+
+    def end(self) -> None:
+        """Nothing more comes for this client."""
+        self.out.put_nowait(None)
+        self.ended = True
     gone: bool = False  # the client went away
 
 
@@ -265,6 +271,21 @@ class Coordinator:
         self._wakeups.pop(key, None)
 
     async def _send(self, key: BatchKey, batch: list[Pending], reason: str = WINDOW) -> None:
+        """Send one batch and see every member answered; a bug fails its members with a 500, never
+        leaves one waiting."""
+        try:
+            await self._send_batch(key, batch, reason)
+        except Exception:  # noqa: BLE001 (logged with its traceback; every member still gets an answer)
+            log.exception("batch to pod %s failed inside the coordinator", key.endpoint)
+            for pending in batch:
+                pending.dispatched.set()
+                if not pending.ended:
+                    pending.status = 500
+                    pending.out.put_nowait(_failure(pending, "the batching coordinator failed on this request",
+                                                    "internal_error"))
+                    pending.end()
+
+    async def _send_batch(self, key: BatchKey, batch: list[Pending], reason: str) -> None:
         batch_id = secrets.token_hex(8)
         trace_id, span_id, start_ns = random_hex(16), random_hex(8), time.time_ns()
         for pending in batch:
@@ -302,12 +323,9 @@ class Coordinator:
             self.metrics.retries.labels("failed" if failed else "resumed").inc()
             if failed:
                 pending.status = 502
-                pending.out.put_nowait(orjson.dumps({"error": {
-                    "message": "the pod failed while generating this answer, and so did the retry",
-                    "type": "server_error", "param": None, "code": "upstream_failed"}}) if not pending.member.stream
-                    else b'data: {"error":{"message":"the pod failed while generating this answer",'
-                         b'"type":"server_error","param":null,"code":"upstream_failed"}}\n\ndata: [DONE]\n\n')
-                pending.out.put_nowait(None)
+                pending.out.put_nowait(_failure(pending, "the pod failed while generating this answer, and so did "
+                                                "the retry", "upstream_failed"))
+                pending.end()
 
     def _calling(self, endpoint: str) -> None:
         """A call to ``endpoint`` goes out (``has_room`` counts it)."""
@@ -345,7 +363,7 @@ class Coordinator:
                         finished.add(delta.index)
                         if not pending.gone:
                             pending.out.put_nowait(_item_error(pending, delta.error))
-                            pending.out.put_nowait(None)
+                            pending.end()
                         continue
                     event = pending.answer.delta(delta.text, delta.finish_reason or None)
                     if event and not pending.gone:
@@ -356,7 +374,7 @@ class Coordinator:
                                       delta.usage.cached_tokens)
                         if not pending.gone:
                             pending.out.put_nowait(pending.answer.end(usage))
-                            pending.out.put_nowait(None)
+                            pending.end()
         except grpc.aio.AioRpcError as error:
             log.warning("batch %s to pod %s (batch protocol) failed: %s", batch_id, address, error.code().name)
         finally:
@@ -407,7 +425,7 @@ class Coordinator:
                                   strict=True):
             if pending in done and not pending.gone:
                 pending.out.put_nowait(pending.answer.end(share))
-                pending.out.put_nowait(None)
+                pending.end()
         return [p for i, p in enumerate(batch) if i not in finished]
 
 
@@ -427,6 +445,12 @@ def _member_trace(header: str | None) -> tuple[str, str, bool] | None:
 def _rank(pending: Pending) -> float:
     """The order a queue's requests join a batch: arrival, moved back by the class's handicap."""
     return pending.arrived + QOS_HANDICAP_S.get(pending.qos, 0.0)
+
+
+def _failure(pending: Pending, message: str, code: str) -> bytes:
+    """A server-side failure as the client expects it: a JSON error, or an SSE error event and [DONE]."""
+    body = orjson.dumps({"error": {"message": message, "type": "server_error", "param": None, "code": code}})
+    return b"data: " + body + b"\n\ndata: [DONE]\n\n" if pending.member.stream else body
 
 
 def _item_error(pending: Pending, error: batch_pb2.Error) -> bytes:
