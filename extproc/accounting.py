@@ -183,6 +183,11 @@ class Usage:
         """Input plus output tokens: what a tokens-per-minute limit counts."""
         return self.input_tokens + self.output_tokens
 
+    def body(self) -> dict[str, object]:
+        """OpenAI's ``usage`` object (the batching coordinator answers each client with its share)."""
+        return {"prompt_tokens": self.input_tokens, "completion_tokens": self.output_tokens,
+                "total_tokens": self.total, "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
 
 @dataclass(frozen=True, slots=True)
 class RequestRecord:

@@ -11,9 +11,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from extproc.accounting import Usage
 from extproc.body import can_batch
 from extproc.config import parse_config
-from extproc.coordinator.merge import CHAT, COMPLETION, Answer, MergeError, Usage, parse, pod_body, shares, split
+from extproc.coordinator.merge import CHAT, COMPLETION, Answer, MergeError, parse, pod_body, shares, split
 from extproc.coordinator.server import Coordinator, build_app
 from extproc.gateway import Gateway
 from extproc.routing.picker import Picker

@@ -23,6 +23,7 @@ from typing import Any
 
 import orjson
 
+from extproc.accounting import Usage
 from extproc.templates import TemplateError, render_chat
 
 # Fields a client sends for itself, not shared by the merged call.
@@ -132,21 +133,6 @@ def split(total: int, weights: Sequence[int]) -> list[int]:
     for i in order[:total - sum(shares)]:
         shares[i] += 1
     return shares
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    """One client's share of the merged call's usage."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-    def body(self) -> dict[str, Any]:
-        """OpenAI's usage object."""
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 def shares(pod_usage: dict[str, Any] | None, members: Sequence[Member], events: Sequence[int]) -> list[Usage]:

@@ -32,13 +32,13 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter as MetricCounter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from extproc.accounting import Usage
 from extproc.coordinator.merge import (
     PROTOCOL,
     Answer,
     BatchKey,
     Member,
     MergeError,
-    Usage,
     parse,
     pod_body,
     protocol_key,
