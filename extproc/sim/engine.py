@@ -84,10 +84,13 @@ class SimEngine:
         self._clock = clock
         self._wake = asyncio.Event()
         self._trackers: dict[SimSequence, RequestTracker] = {}
+        self._calls = 0
 
     def submit(self, tracker: RequestTracker) -> None:
-        """Queue every sequence of ``tracker``."""
+        """Queue every sequence of ``tracker``, as one call."""
+        self._calls += 1
         for seq in tracker.seqs:
+            seq.call = self._calls
             self.scheduler.add(seq)
             self._trackers[seq] = tracker
         self._wake.set()

@@ -1,4 +1,4 @@
-"""Batch formation of the simulated pod: continuous (iteration-level) and static batching.
+"""Batch formation of the simulated pod: continuous (iteration-level), dynamic and static batching.
 
 Both schedulers are pure: ``step()`` decides one engine iteration, advances every sequence in
 the batch by one token and says how long the iteration took on the simulated GPU
@@ -9,9 +9,15 @@ tokens out; ``simulate()`` runs the same schedulers on a virtual clock for tests
   waiting sequences, in arrival order, while the running set is below ``max_num_seqs``, the KV
   pool has room and the step's prefill budget (``max_num_batched_tokens``) lasts; a sequence
   leaves the batch on the step it finishes.
-* ``static``: one batch at a time, as naive servers do. A batch of up to ``max_num_seqs``
-  waiting sequences is formed and decoded until its longest member finishes; finished members
-  keep their (padded) slot, and arrivals wait for the next batch.
+* ``dynamic``: one batch at a time, formed by the server from whatever waits (Triton's dynamic
+  batcher). A batch of up to ``max_num_seqs`` waiting sequences is decoded until its longest
+  member finishes; finished members keep their (padded) slot, and arrivals wait for the next batch.
+* ``static``: one batch at a time, and a batch is one call: the prompts (and choices) a single
+  HTTP or batch-protocol call carries, as a server without a batcher runs them (Triton's default
+  scheduler "simply distributes inference requests to all model instances": a request's batch is
+  the one it brings; a Hugging Face ``generate()`` behind a web handler). Calls wait in arrival
+  order. This is the server the reference papers' gateway-side batching pays off against: sent
+  one request per call it runs batches of one; merged calls are batches.
 
 Prefix-cache accounting follows vLLM: queries count a prompt's tokens, hits count the tokens
 served from cache, and at least the last prompt token is always recomputed.
@@ -31,15 +37,17 @@ from typing import Literal, Protocol
 from extproc.sim.costmodel import CostParams
 from extproc.sim.prefix_cache import KVAllocation, KVBlockPool
 
-EngineKind = Literal["continuous", "static"]
-ENGINE_KINDS: tuple[EngineKind, ...] = ("continuous", "static")
+EngineKind = Literal["continuous", "dynamic", "static"]
+ENGINE_KINDS: tuple[EngineKind, ...] = ("continuous", "dynamic", "static")
 
 
 @dataclass(slots=True, eq=False)
 class SimSequence:
     """One generated sequence (one choice of one prompt) as the scheduler sees it.
 
-    ``index`` is the choice index within its request; the scheduler does not use it.
+    ``index`` is the choice index within its request; the scheduler does not use it. ``call``
+    numbers the call (HTTP request or batch-protocol call) it came with; the static scheduler
+    batches one call at a time.
     """
 
     prompt_len: int
@@ -47,6 +55,7 @@ class SimSequence:
     output_len: int
     index: int = 0
     lora: str | None = None
+    call: int = 0
     generated: int = 0
     cached_tokens: int = 0
     finished: bool = False
@@ -239,8 +248,8 @@ class ContinuousScheduler(_SchedulerBase):
         return result
 
 
-class StaticScheduler(_SchedulerBase):
-    """Static batching: one batch runs until its longest member is done."""
+class DynamicScheduler(_SchedulerBase):
+    """Dynamic batching: a batch of whatever waits runs until its longest member is done."""
 
     def __init__(self, params: CostParams, max_loras: int = 1) -> None:
         super().__init__(params, max_loras)
@@ -273,6 +282,8 @@ class StaticScheduler(_SchedulerBase):
             skipped: list[SimSequence] = []
             while self._waiting and len(self._batch) < self.params.max_num_seqs:
                 seq = self._waiting[0]
+                if self._batch and not self._joins(seq, self._batch[0]):
+                    break
                 if self._lora_blocked(seq, loras):
                     skipped.append(self._waiting.popleft())
                     continue
@@ -298,6 +309,10 @@ class StaticScheduler(_SchedulerBase):
         self._end_batch_if_done()
         return result
 
+    def _joins(self, seq: SimSequence, first: SimSequence) -> bool:
+        """Whether ``seq`` may join the batch ``first`` opened: any waiting sequence may."""
+        return True
+
     def _end_batch_if_done(self) -> None:
         if all(seq.finished for seq in self._batch):
             for seq in self._batch:
@@ -305,10 +320,20 @@ class StaticScheduler(_SchedulerBase):
             self._batch = []
 
 
+class StaticScheduler(DynamicScheduler):
+    """Static batching: the batch is one call's sequences, run until its longest one is done."""
+
+    def _joins(self, seq: SimSequence, first: SimSequence) -> bool:
+        """Only the sequences of the call that opened the batch (they wait side by side)."""
+        return seq.call == first.call
+
+
 def make_scheduler(kind: EngineKind, params: CostParams, max_loras: int = 1) -> Scheduler:
-    """The scheduler named ``kind`` ("continuous" or "static")."""
+    """The scheduler named ``kind`` (one of ``ENGINE_KINDS``)."""
     if kind == "continuous":
         return ContinuousScheduler(params, max_loras)
+    if kind == "dynamic":
+        return DynamicScheduler(params, max_loras)
     if kind == "static":
         return StaticScheduler(params, max_loras)
     raise ValueError(f"engine: unknown kind {kind!r} (expected one of {ENGINE_KINDS})")

@@ -72,7 +72,7 @@ async def test_adapters_do_not_share_the_base_models_prefix_cache(make_client: C
     assert await cached("sql") > 0
 
 
-@pytest.mark.parametrize("kind", ["continuous", "static"])
+@pytest.mark.parametrize("kind", ["continuous", "dynamic"])
 @pytest.mark.parametrize(
     ("max_loras", "first_batch"),
     [

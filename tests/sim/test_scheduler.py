@@ -1,4 +1,4 @@
-"""Continuous vs static batch formation, KV admission and prefix-cache accounting."""
+"""Continuous, dynamic and static batch formation, KV admission and prefix-cache accounting."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from extproc.sim.prefix_cache import block_hashes
 from extproc.sim.scheduler import (
     Arrival,
     ContinuousScheduler,
+    DynamicScheduler,
     Scheduler,
     SimSequence,
     StaticScheduler,
@@ -25,16 +26,19 @@ FLAT = CostParams(decode_base_s=0.01, decode_per_seq_s=0.0, prefill_per_token_s=
 
 
 _fresh = itertools.count(10_000, 1000)
+_calls = itertools.count(1)
 
 
-def seq(prompt: list[int] | int, output_len: int) -> SimSequence:
-    """A sequence; an int prompt is that many tokens shared with no other prompt."""
+def seq(prompt: list[int] | int, output_len: int, call: int | None = None) -> SimSequence:
+    """A sequence, its own call unless ``call`` is given; an int prompt is that many tokens shared
+    with no other prompt."""
     if isinstance(prompt, int):
         start = next(_fresh)
         ids = list(range(start, start + prompt))
     else:
         ids = prompt
-    return SimSequence(prompt_len=len(ids), block_hashes=block_hashes(ids, BS), output_len=output_len)
+    return SimSequence(prompt_len=len(ids), block_hashes=block_hashes(ids, BS), output_len=output_len,
+                       call=next(_calls) if call is None else call)
 
 
 def test_continuous_emits_one_token_per_step_and_retires() -> None:
@@ -96,8 +100,8 @@ def test_a_fully_cached_prompt_still_recomputes_its_last_block() -> None:
     assert again.prefix_hits == 16  # vLLM caps hits at num_tokens - 1: the last block is recomputed
 
 
-def test_static_batch_blocks_newcomers_until_longest_finishes() -> None:
-    sched = StaticScheduler(FLAT)
+def test_dynamic_batch_blocks_newcomers_until_longest_finishes() -> None:
+    sched = DynamicScheduler(FLAT)
     long, short = seq(10, 5), seq(10, 1)
     sched.add(long)
     sched.add(short)
@@ -111,6 +115,18 @@ def test_static_batch_blocks_newcomers_until_longest_finishes() -> None:
     final = sched.step()
     assert final.finished == [long]
     assert sched.step().admitted == [late]  # the next batch
+
+
+def test_static_batch_is_one_call() -> None:
+    sched = StaticScheduler(FLAT)
+    first = [seq(10, 2, call=1), seq(10, 3, call=1)]
+    second = [seq(10, 1, call=2), seq(10, 1, call=2)]
+    for s in first + second:
+        sched.add(s)
+    result = sched.step()
+    assert result.admitted == first  # the second call waits although the batch has free slots
+    assert sched.step().batch_size == 2 and sched.step().finished == [first[1]]
+    assert sched.step().admitted == second
 
 
 def make(kind: str, params: CostParams) -> Scheduler:
@@ -131,7 +147,10 @@ def mixed_workload() -> list[Arrival]:
         pytest.param("continuous", 1.0, 0.055, id="continuous: shorts join the running batch"),
         # Shorts wait for the 1.0 s batch, then run as 4 + 3 (max_num_seqs=4): done at 1.05 and
         # 1.10, i.e. latencies (1.0 + .95 + .9 + .85 + .85 + .8 + .75) / 7 = 0.87.
-        pytest.param("static", 1.10, 0.87, id="static: shorts wait for the 100-token batch"),
+        pytest.param("dynamic", 1.10, 0.87, id="dynamic: shorts wait for the 100-token batch"),
+        # Each short is a call of its own: they run one after another, 5 steps each, after the
+        # long one: done at 1.05, 1.10, ... 1.35, each 1.0 s after it arrived.
+        pytest.param("static", 1.35, 1.0, id="static: shorts run one call at a time"),
     ],
 )
 def test_mixed_workload(kind: str, makespan_s: float, mean_short_latency_s: float) -> None:
@@ -142,14 +161,14 @@ def test_mixed_workload(kind: str, makespan_s: float, mean_short_latency_s: floa
     assert sum(shorts) / len(shorts) == pytest.approx(mean_short_latency_s, abs=0.02)
 
 
-def test_continuous_beats_static_on_mixed_lengths() -> None:
+def test_continuous_beats_dynamic_on_mixed_lengths() -> None:
     params = CostParams(max_num_seqs=8, block_size=BS)  # the default A100 figures
     mean_latency = {}
-    for kind in ("continuous", "static"):
+    for kind in ("continuous", "dynamic"):
         arrivals = [Arrival(0.02 * i, seq(200, 20 + (i * 37) % 200)) for i in range(40)]
         result = simulate(make(kind, params), arrivals)
         mean_latency[kind] = sum(result.finish_s[a.seq] - a.time_s for a in arrivals) / len(arrivals)
-    assert mean_latency["continuous"] < 0.7 * mean_latency["static"]
+    assert mean_latency["continuous"] < 0.7 * mean_latency["dynamic"]
 
 
 def test_abort_frees_kv() -> None:
