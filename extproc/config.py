@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from extproc.chat_template import ChatTemplateError, JinjaChatTemplate, load_chat_template
 from extproc.quota.limits import UNLIMITED, Limits, Quota
 from extproc.pricing import Prices
 from extproc.routing.rules import Match, Range, Rule
@@ -192,6 +193,9 @@ class ModelSpec(_Strict):
     # exactly (reservations; the input of a stream whose pod reports no usage). Without one, a
     # heuristic (about 4 characters per token).
     tokenizer: str | None = None
+    # The model's Jinja chat template (its tokenizer_config.json or a .jinja file; a path or
+    # pkg:<package>/<file>): the batching coordinator renders chat prompts with it. Without one, ChatML.
+    chat_template: str | None = None
     # The model's version (a checkpoint or deployment tag): sent to the pod as trace baggage and
     # recorded on the request's span (llmgw.model.version).
     version: Annotated[str, Field(max_length=128, pattern=r"^[A-Za-z0-9._:/+-]*$")] = ""
@@ -558,6 +562,7 @@ class Model:
     tokenizer: Path | None = None
     version: str = ""
     lora: bool = False
+    chat_template: JinjaChatTemplate | None = None  # None: ChatML
 
 
 @dataclass(frozen=True, slots=True)
@@ -693,9 +698,11 @@ def compile_spec(spec: GatewaySpec, *, env: dict[str, str] | os._Environ[str]) -
         pools[p.name] = Pool(p.name, tuple(p.endpoints), _read_credential(p.credential, f"pools[{i}].credential", env),
                              p.health, p.picker or spec.endpoint_picker.default, frozenset(p.draining),
                              tuple(p.shed.items()), p.batching)
+    templates: dict[str, JinjaChatTemplate] = {}  # each file compiled once, however many models share it
     models = tuple(
         Model(m.name, pools[m.pool], tuple(m.aliases), m.owned_by, m.max_model_len, Prices(**m.price.model_dump()),
-              _tokenizer_path(m.tokenizer, f"models[{i}].tokenizer"), m.version, m.lora)
+              _tokenizer_path(m.tokenizer, f"models[{i}].tokenizer"), m.version, m.lora,
+              _chat_template(m.chat_template, f"models[{i}].chat_template", templates))
         for i, m in enumerate(spec.models)
     )
     by_name = {name: model for model in models for name in (model.name, *model.aliases)}
@@ -763,6 +770,17 @@ def _tokenizer_path(spec: str | None, where: str) -> Path | None:
         return resolve_resource(spec)
     except FileNotFoundError as error:
         raise ConfigError(f"{where}: {error}") from None
+
+
+def _chat_template(spec: str | None, where: str, compiled: dict[str, JinjaChatTemplate]) -> JinjaChatTemplate | None:
+    if spec is None:
+        return None
+    if spec not in compiled:
+        try:
+            compiled[spec] = load_chat_template(spec)
+        except ChatTemplateError as error:
+            raise ConfigError(f"{where}: {error}") from None
+    return compiled[spec]
 
 
 def hash_key(key: str) -> bytes:

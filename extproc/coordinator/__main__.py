@@ -12,15 +12,23 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from aiohttp import web
 
 from extproc.config import ConfigError, GatewayConfig, load_config
+from extproc.coordinator.merge import PromptRenderer
 from extproc.coordinator.server import Coordinator, build_app
 from extproc.routing.podstate import PodStates, default_state_path, gather_forever
 from extproc.telemetry.tracing import RequestTracer
+
+
+def chat_templates(config: GatewayConfig) -> Mapping[str, PromptRenderer]:
+    """The chat template of each model that has its own (``models[].chat_template``), under its
+    name and its aliases; the coordinator renders the other models' chats with ChatML."""
+    return {name: model.chat_template for model in config.models if model.chat_template is not None
+            for name in (model.name, *model.aliases)}
 
 
 async def serve(config: GatewayConfig, host: str, port: int) -> None:
@@ -34,7 +42,7 @@ async def serve(config: GatewayConfig, host: str, port: int) -> None:
         gatherer = asyncio.create_task(gather_forever(lambda: endpoints, path, scrape.interval_s, states,
                                                       scrape.timeout_s))
     tracer = RequestTracer.from_config(config.tracing) if config.tracing.enabled else None
-    coordinator = Coordinator(states, tracer)
+    coordinator = Coordinator(states, tracer, chat_templates(config))
     runner = web.AppRunner(build_app(coordinator), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)

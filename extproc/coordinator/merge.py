@@ -3,9 +3,10 @@ completion call, and the pod's merged answer -> each client's own answer. Pure: 
 
 A merged call is vLLM's ``POST /v1/completions`` with ``prompt`` a list: every prompt shares the
 call's sampling parameters, so requests are merged only when theirs are equal (``BatchKey``).
-Chat requests are rendered with the model's chat template (ChatML, as the gateway counts them and
-the simulated pod encodes them) ending with the assistant's generation prompt, which is what a
-chat endpoint does before generating.
+Chat requests are rendered with the model's chat template ending with the assistant's generation
+prompt, which is what a chat endpoint does before generating: the model's own Jinja template when
+the config gives one (``models[].chat_template``, compiled by ``extproc.chat_template`` and handed
+in as ``templates``), else ChatML (as the gateway counts them and the simulated pod encodes them).
 
 The pod streams (``stream_options.include_usage``): each chunk carries one choice whose ``index``
 is the prompt's position in the list. Usage comes once, for the whole call; each client's share is
@@ -17,9 +18,10 @@ exactly what the pod reported.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Protocol
 
 import orjson
 
@@ -35,6 +37,16 @@ COMPLETION = "completion"
 
 class MergeError(ValueError):
     """A body the coordinator cannot turn into one prompt (extproc should not have sent it)."""
+
+
+class PromptRenderer(Protocol):
+    """A model's chat template: OpenAI ``messages`` (and ``tools``) -> the prompt text, ending with
+    the generation prompt; raises ``TemplateError`` for what it cannot render."""
+
+    def __call__(self, messages: object, tools: object = None) -> str: ...
+
+
+NO_TEMPLATES: Mapping[str, PromptRenderer] = MappingProxyType({})  # every model ChatML
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +71,10 @@ class Member:
     params: tuple[tuple[str, Any], ...] = ()  # its own sampling parameters (the batch protocol carries them)
 
 
-def parse(body: bytes, endpoint: str, input_tokens: int) -> tuple[BatchKey, Member]:
-    """A client's body -> its batch key and member; ``MergeError`` when it cannot be merged."""
+def parse(body: bytes, endpoint: str, input_tokens: int,
+          templates: Mapping[str, PromptRenderer] = NO_TEMPLATES) -> tuple[BatchKey, Member]:
+    """A client's body -> its batch key and member; ``MergeError`` when it cannot be merged.
+    ``templates``: the chat template of each model (by the name in the body) that has its own."""
     try:
         raw = orjson.loads(body)
     except orjson.JSONDecodeError as error:
@@ -69,13 +83,7 @@ def parse(body: bytes, endpoint: str, input_tokens: int) -> tuple[BatchKey, Memb
         raise MergeError("no model")
     if "messages" in raw:
         kind = CHAT
-        try:
-            segments = render_chat(raw["messages"])
-        except TemplateError as error:
-            raise MergeError(str(error)) from None
-        if not all(isinstance(s, str) for s in segments):
-            raise MergeError("media parts cannot share a merged call")
-        prompt = "".join(segments)  # type: ignore[arg-type]
+        prompt = _chat_prompt(raw, templates.get(raw["model"]))
     elif isinstance(raw.get("prompt"), str):
         kind, prompt = COMPLETION, raw["prompt"]
     else:
@@ -92,6 +100,18 @@ def parse(body: bytes, endpoint: str, input_tokens: int) -> tuple[BatchKey, Memb
         params["max_tokens"] = limit
     return key, Member(kind, prompt, bool(raw.get("stream")), bool(options.get("include_usage")), input_tokens,
                        tuple(sorted(params.items())))
+
+
+def _chat_prompt(raw: dict[str, Any], template: PromptRenderer | None) -> str:
+    try:
+        if template is not None:
+            return template(raw["messages"], raw.get("tools"))
+        segments = render_chat(raw["messages"])
+    except TemplateError as error:
+        raise MergeError(f"{error.param}: {error}") from None
+    if not all(isinstance(s, str) for s in segments):
+        raise MergeError("media parts cannot share a merged call")
+    return "".join(segments)  # type: ignore[arg-type]
 
 
 # What the batch protocol carries per prompt (protos/llmgw/v1/batch.proto SamplingParams).
