@@ -19,10 +19,12 @@ got, so its client's stream simply continues. A client that goes away loses only
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import secrets
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -34,11 +36,13 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from extproc.accounting import Usage
 from extproc.coordinator.merge import (
+    NO_TEMPLATES,
     PROTOCOL,
     Answer,
     BatchKey,
     Member,
     MergeError,
+    PromptRenderer,
     parse,
     pod_body,
     protocol_key,
@@ -59,8 +63,9 @@ QOS_HEADER = "x-llmgw-qos"
 # ahead of one that arrived this much after it (aging: nothing starves), realtime ahead of all.
 QOS_HANDICAP_S = {"batch": 1.0, "realtime": -1.0}
 MAX_WINDOWS = 4096  # queues' adaptive windows remembered
-POD_SILENCE_S = 120.0
-PROTOCOL_RECHECK_S = 30.0  # how often a pod is asked again whether it speaks the batch protocol  # the longest a pod may stay silent before the call counts as failed
+POD_SILENCE_S = 120.0  # the longest a pod may stay silent before the call counts as failed
+PROTOCOL_RECHECK_S = 30.0  # how often a pod is asked again whether it speaks the batch protocol
+HELD_RECHECK_S = 1.0  # a batch held for a busy pod looks again at least this often
 
 
 @dataclass(eq=False)
@@ -125,8 +130,10 @@ class CoordinatorMetrics:
 class Coordinator:
     """The queues, the calls in flight per pod, and the HTTP session to the pods."""
 
-    def __init__(self, states: object | None = None, tracer: RequestTracer | None = None) -> None:
+    def __init__(self, states: object | None = None, tracer: RequestTracer | None = None,
+                 templates: Mapping[str, PromptRenderer] = NO_TEMPLATES) -> None:
         self.tracer = tracer  # None: tracing off
+        self.templates = templates  # each model's own chat template (by name); the others ChatML
         self.queues: dict[BatchKey, list[Pending]] = {}
         self._wakeups: dict[BatchKey, asyncio.Event] = {}
         self._dispatchers: dict[BatchKey, asyncio.Task[None]] = {}
@@ -136,6 +143,11 @@ class Coordinator:
         self._protocols: dict[str, tuple[str | None, float]] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._sent_at: dict[str, float] = {}  # wall-clock time of the last call to each pod
+        self._open: dict[str, set[int]] = {}  # pod -> our calls to it in flight
+        self._call_ids = itertools.count(1)
+        # pod -> EWMA of "a call started while an earlier one still ran" (1) or "only after" (0):
+        # vLLM interleaves calls; a server without a batcher runs them one after another
+        self.interleaves: dict[str, float] = {}
         self.states = states  # the node's pod states (extproc.routing.podstate.PodStates), if read
         self.session: aiohttp.ClientSession | None = None
         self.metrics = CoordinatorMetrics()
@@ -152,7 +164,7 @@ class Coordinator:
         except ValueError:
             tokens = 0
         try:
-            key, member = parse(await request.read(), picks[0], tokens)
+            key, member = parse(await request.read(), picks[0], tokens, self.templates)
         except MergeError as error:
             return _error(400, f"this request cannot be batched: {error}", "invalid_request_error")
         if self._protocol_address(key.endpoint) is not None and (shared := protocol_key(key, member)) is not None:
@@ -232,8 +244,14 @@ class Coordinator:
         state = self.states.get(endpoint) if self.states is not None else None  # type: ignore[attr-defined]
         if self.in_flight[endpoint] == 0:
             return state is None or state.waiting == 0
+        if self.serializes(endpoint):
+            return False  # ours in flight keeps it busy
         return (state is not None and state.scraped_at > self._sent_at.get(endpoint, 0.0)
                 and state.waiting == 0 and state.kv_usage < 0.9)
+
+    def serializes(self, endpoint: str) -> bool:
+        """The pod runs one call at a time (learned, ``_started``) and one of ours runs now."""
+        return self.in_flight[endpoint] > 0 and self.interleaves.get(endpoint, 1.0) < 0.5
 
     async def _dispatch(self, key: BatchKey) -> None:
         """Form and send this key's batches until its queue is empty."""
@@ -244,13 +262,16 @@ class Coordinator:
                 tokens = sum(p.member.input_tokens for p in queue)
                 waited = time.monotonic() - first.arrived
                 wait = window.wait_s(first.wait_s, len(queue), first.size)
+                # A pod that runs one call at a time would only queue this batch behind ours: it
+                # waits here, where later requests can still join, until that call ends.
+                held = waited >= wait and self.serializes(key.endpoint)
                 reason = FULL if len(queue) >= first.size or tokens >= first.tokens else \
-                    ROOM if self.has_room(key.endpoint) else WINDOW if waited >= wait else None
+                    ROOM if self.has_room(key.endpoint) else WINDOW if waited >= wait and not held else None
                 if reason is not None:
                     break
                 wakeup.clear()
                 try:
-                    await asyncio.wait_for(wakeup.wait(), wait - waited)
+                    await asyncio.wait_for(wakeup.wait(), HELD_RECHECK_S if held else wait - waited)
                 except TimeoutError:
                     pass
                 if not queue or queue[0] is not first:
@@ -327,14 +348,32 @@ class Coordinator:
                                                 "the retry", "upstream_failed"))
                 pending.end()
 
-    def _calling(self, endpoint: str) -> None:
-        """A call to ``endpoint`` goes out (``has_room`` counts it)."""
+    def _calling(self, endpoint: str) -> tuple[int, frozenset[int]]:
+        """A call to ``endpoint`` goes out (``has_room`` counts it): its id, and the calls ahead of it."""
         self.in_flight[endpoint] += 1
         self._sent_at[endpoint] = time.time()
+        calls = self._open.setdefault(endpoint, set())
+        ahead = frozenset(calls)
+        call = next(self._call_ids)
+        calls.add(call)
+        return call, ahead
 
-    def _called(self, endpoint: str) -> None:
+    def _started(self, endpoint: str, ahead: frozenset[int]) -> None:
+        """A call's first token came back. If calls were ahead of it, learn whether the pod started
+        it while one of them still ran (it interleaves calls) or only once they had all ended."""
+        if not ahead:
+            return
+        interleaved = 1.0 if ahead & self._open.get(endpoint, set()) else 0.0
+        before = self.interleaves.get(endpoint)
+        now = self.interleaves[endpoint] = interleaved if before is None else 0.2 * interleaved + 0.8 * before
+        if before is None or (before < 0.5) != (now < 0.5):
+            log.info("pod %s %s", endpoint, "runs one call at a time: batches wait while it is busy"
+                     if now < 0.5 else "interleaves calls")
+
+    def _called(self, endpoint: str, call: int) -> None:
         """A call to ``endpoint`` ended: the pod may have room again for the queues waiting on it."""
         self.in_flight[endpoint] -= 1
+        self._open.get(endpoint, set()).discard(call)
         for waiting_key, wakeup in self._wakeups.items():
             if waiting_key.endpoint == endpoint:
                 wakeup.set()
@@ -350,11 +389,14 @@ class Coordinator:
             batch_pb2.BatchItem(index=i, text=p.member.prompt, params=_sampling(p.member))
             for i, p in enumerate(batch)])
         finished: set[int] = set()
-        self._calling(key.endpoint)
+        call_id, ahead = self._calling(key.endpoint)
         try:
             call = batch_pb2_grpc.BatchGenerationStub(channel).Generate(
                 request, metadata=(("traceparent", traceparent), ("baggage", f"llmgw.batch_id={batch_id}")))
             async for response in call:
+                if ahead:
+                    self._started(key.endpoint, ahead)
+                    ahead = frozenset()
                 for delta in response.deltas:
                     if not 0 <= delta.index < len(batch):
                         continue
@@ -378,7 +420,7 @@ class Coordinator:
         except grpc.aio.AioRpcError as error:
             log.warning("batch %s to pod %s (batch protocol) failed: %s", batch_id, address, error.code().name)
         finally:
-            self._called(key.endpoint)
+            self._called(key.endpoint, call_id)
         return [p for i, p in enumerate(batch) if i not in finished]
 
     async def _call(self, endpoint: str, key: BatchKey, batch: list[Pending], batch_id: str,
@@ -386,7 +428,7 @@ class Coordinator:
         """One merged call; its members' answers are streamed and ended. Returns the members the
         pod did not finish (the call failed or was cut)."""
         assert self.session is not None
-        self._calling(endpoint)
+        call_id, ahead = self._calling(endpoint)
         finished: set[int] = set()
         usage = None
         try:
@@ -402,6 +444,9 @@ class Coordinator:
                     if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                         continue
                     chunk = orjson.loads(line[6:])
+                    if ahead:
+                        self._started(endpoint, ahead)
+                        ahead = frozenset()
                     if chunk.get("usage"):
                         usage = chunk["usage"]
                     for choice in chunk.get("choices") or ():
@@ -418,7 +463,7 @@ class Coordinator:
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as error:
             log.warning("batch %s to pod %s failed: %s", batch_id, endpoint, error or type(error).__name__)
         finally:
-            self._called(endpoint)
+            self._called(endpoint, call_id)
         done = [p for i, p in enumerate(batch) if i in finished]
         for pending, share in zip(batch, shares(usage if len(done) == len(batch) else None,
                                                 [p.member for p in batch], [p.answer.events for p in batch]),

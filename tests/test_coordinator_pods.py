@@ -1,0 +1,121 @@
+"""The coordinator learns how a pod treats concurrent calls. vLLM interleaves them (a call sent
+while another runs starts at the next engine step); a server without a batcher runs them one after
+another. For the latter, a batch whose window has closed waits in the coordinator while our call
+runs, where later requests can still join it, instead of queueing behind it at the pod."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from extproc.coordinator.server import Coordinator, build_app
+
+
+class GatedPod:
+    """Streams a first chunk for each prompt, then holds the call until its gate opens. ``serial``:
+    one call at a time (the next one starts, first chunk included, only when the last ended)."""
+
+    def __init__(self, serial: bool) -> None:
+        self.serial = serial
+        self.calls: list[list[str]] = []
+        self.started: list[list[str]] = []
+        self.gates: list[asyncio.Event] = []
+        self._lock = asyncio.Lock()
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.calls.append(body["prompt"])
+        gate = asyncio.Event()
+        self.gates.append(gate)
+        if self.serial:
+            async with self._lock:
+                return await self._answer(request, body["prompt"], gate)
+        return await self._answer(request, body["prompt"], gate)
+
+    async def _answer(self, request: web.Request, prompts: list[str], gate: asyncio.Event) -> web.StreamResponse:
+        self.started.append(prompts)
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for i, _ in enumerate(prompts):
+            await response.write(b"data: " + orjson.dumps({"choices": [{"index": i, "text": "a"}]}) + b"\n\n")
+        await gate.wait()
+        for i, _ in enumerate(prompts):
+            chunk = {"choices": [{"index": i, "text": "b", "finish_reason": "stop"}]}
+            await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        usage = {"prompt_tokens": len(prompts), "completion_tokens": 2 * len(prompts)}
+        await response.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n")
+        return response
+
+
+async def until(condition: object, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():  # type: ignore[operator]
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+async def _stack(serial: bool) -> tuple[GatedPod, Coordinator, TestClient, TestClient, str]:
+    pod = GatedPod(serial)
+    app = web.Application()
+    app.router.add_post("/v1/completions", pod.completions)
+    pod_client = TestClient(TestServer(app))
+    await pod_client.start_server()
+    coordinator = Coordinator()
+    client = TestClient(TestServer(build_app(coordinator)))
+    await client.start_server()
+    return pod, coordinator, client, pod_client, f"127.0.0.1:{pod_client.port}"
+
+
+def _ask(client: TestClient, endpoint: str, i: int) -> asyncio.Task[dict]:
+    headers = {"x-gateway-destination-endpoint": endpoint, "x-llmgw-batch": "wait_ms=0; size=8",
+               "x-llmgw-input-tokens": "1"}
+
+    async def ask() -> dict:
+        response = await client.post("/v1/completions", headers=headers,
+                                     data=orjson.dumps({"model": "m", "prompt": f"p{i}", "max_tokens": 4}))
+        assert response.status == 200
+        return {"size": response.headers["x-llmgw-batch-size"], **(await response.json())}
+
+    return asyncio.create_task(ask())
+
+
+async def test_batches_wait_in_the_coordinator_while_a_one_call_at_a_time_pod_runs_ours() -> None:
+    pod, coordinator, client, pod_client, endpoint = await _stack(serial=True)
+    first = _ask(client, endpoint, 0)
+    await until(lambda: len(pod.started) == 1)
+    second = _ask(client, endpoint, 1)  # nothing learned yet: its window (0 ms) sends it to the pod's queue
+    await until(lambda: len(pod.calls) == 2)
+    assert len(pod.started) == 1  # the pod runs one call at a time
+    pod.gates[0].set()
+    await until(lambda: len(pod.started) == 2)  # it started only once the first had ended: learned
+    await until(lambda: coordinator.interleaves.get(endpoint) == 0.0)
+    rest = [_ask(client, endpoint, i) for i in (2, 3, 4)]
+    await until(lambda: sum(len(q) for q in coordinator.queues.values()) == 3)
+    assert len(pod.calls) == 2  # held here while ours runs, although their window has closed
+    pod.gates[1].set()
+    await until(lambda: len(pod.calls) == 3)
+    assert pod.calls[2] == ["p2", "p3", "p4"]  # one call, the moment the pod was free
+    pod.gates[2].set()
+    answers = [await task for task in (first, second, *rest)]
+    assert [a["size"] for a in answers] == ["1", "1", "3", "3", "3"]
+    assert all(a["choices"][0]["text"] == "ab" for a in answers)
+    await client.close()
+    await pod_client.close()
+
+
+async def test_a_pod_that_interleaves_calls_gets_each_batch_when_its_window_closes() -> None:
+    pod, coordinator, client, pod_client, endpoint = await _stack(serial=False)
+    first = _ask(client, endpoint, 0)
+    await until(lambda: len(pod.started) == 1)
+    second = _ask(client, endpoint, 1)
+    await until(lambda: coordinator.interleaves.get(endpoint) == 1.0)  # it started while the first still ran
+    third = _ask(client, endpoint, 2)
+    await until(lambda: len(pod.started) == 3)  # not held: the pod takes it at once
+    for gate in pod.gates:
+        gate.set()
+    assert [(await task)["size"] for task in (first, second, third)] == ["1", "1", "1"]
+    await client.close()
+    await pod_client.close()
