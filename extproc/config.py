@@ -133,6 +133,9 @@ class BatchingSpec(_Strict):
         default_factory=lambda: {"default": 50.0})
     max_batch_size: Annotated[int, Field(ge=1, le=4096)] = 32
     max_batched_tokens: Annotated[int, Field(ge=1)] = 4096
+    # When more wait than one batch holds, those close to the oldest go with it: the same leading
+    # prefix block, or a (lexical) embedding cosine at least this; null: rank order only.
+    group_threshold: Annotated[float, Field(ge=0, le=1)] | None = 0.72
 
     def batches(self, qos: str) -> bool:
         """Whether requests of class ``qos`` may be batched."""

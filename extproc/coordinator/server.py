@@ -29,12 +29,14 @@ from dataclasses import dataclass, field
 
 import aiohttp
 import grpc
+import numpy as np
 import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter as MetricCounter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from extproc.accounting import Usage
+from extproc.coordinator.grouping import choose
 from extproc.coordinator.merge import (
     NO_TEMPLATES,
     PROTOCOL,
@@ -50,6 +52,7 @@ from extproc.coordinator.merge import (
 )
 from extproc.coordinator.window import FULL, ROOM, WINDOW, AdaptiveWindow
 from extproc.protos.llmgw.v1 import batch_pb2, batch_pb2_grpc
+from extproc.routing.embedders import HashingEmbedder
 from extproc.telemetry.tracecontext import random_hex
 from extproc.telemetry.tracing import BatchSpan, RequestTracer
 
@@ -57,7 +60,7 @@ log = logging.getLogger("llmgw.coordinator")
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 BATCH_HEADER = "x-llmgw-batch"
 INPUT_TOKENS_HEADER = "x-llmgw-input-tokens"
-DEFAULTS = {"wait_ms": 50.0, "size": 32.0, "tokens": 4096.0}
+DEFAULTS = {"wait_ms": 50.0, "size": 32.0, "tokens": 4096.0, "group": -1.0}  # group < 0: rank order only
 QOS_HEADER = "x-llmgw-qos"
 # How much later than its arrival a request of the class ranks: a batch-class request joins a batch
 # ahead of one that arrived this much after it (aging: nothing starves), realtime ahead of all.
@@ -80,6 +83,8 @@ class Pending:
     size: int
     tokens: int
     qos: str = ""
+    group: float | None = None  # the cosine that groups a request with the batch's oldest (None: off)
+    vector: np.ndarray | None = None  # its prompt's embedding, once grouping needed it
     trace: tuple[str, str, bool] | None = None  # the member's gateway span (its traceparent): trace, span, sampled
     arrived: float = field(default_factory=time.monotonic)
     out: asyncio.Queue[bytes | None] = field(default_factory=asyncio.Queue)  # None: the end
@@ -122,6 +127,9 @@ class CoordinatorMetrics:
                                         ("reason",), registry=self.registry)
         self.window = Gauge("llmgw_batch_window_seconds", "The adapted wait of the last batch formed, per model",
                             ("gen_ai_request_model",), registry=self.registry)
+        self.grouped = MetricCounter("llmgw_batch_grouped", "Requests sent with their batch's oldest ahead of "
+                                     "older ones because they are close to it: the same prefix block, or "
+                                     "semantically (embedding cosine)", ("affinity",), registry=self.registry)
         self.retries = MetricCounter("llmgw_batch_retries", "Members retried alone after their merged call failed "
                                      "or was cut: resumed (answered) or failed (error to the client)", ("outcome",),
                                      registry=self.registry)
@@ -148,6 +156,7 @@ class Coordinator:
         # pod -> EWMA of "a call started while an earlier one still ran" (1) or "only after" (0):
         # vLLM interleaves calls; a server without a batcher runs them one after another
         self.interleaves: dict[str, float] = {}
+        self._embedder = HashingEmbedder()  # grouping's (extproc.coordinator.grouping says why lexical)
         self.states = states  # the node's pod states (extproc.routing.podstate.PodStates), if read
         self.session: aiohttp.ClientSession | None = None
         self.metrics = CoordinatorMetrics()
@@ -173,7 +182,8 @@ class Coordinator:
         answer_id = ("chatcmpl-" if member.kind == "chat" else "cmpl-") + secrets.token_hex(16)
         pending = Pending(key, member, Answer(member, answer_id, key.model), picks[1] if len(picks) > 1 else None,
                           settings["wait_ms"] / 1000, int(settings["size"]), int(settings["tokens"]),
-                          request.headers.get(QOS_HEADER, ""), _member_trace(request.headers.get("traceparent")))
+                          request.headers.get(QOS_HEADER, ""), settings["group"] if settings["group"] >= 0 else None,
+                          trace=_member_trace(request.headers.get("traceparent")))
         self._enqueue(pending)
         try:
             await pending.dispatched.wait()
@@ -249,6 +259,15 @@ class Coordinator:
         return (state is not None and state.scraped_at > self._sent_at.get(endpoint, 0.0)
                 and state.waiting == 0 and state.kv_usage < 0.9)
 
+    def _vectors(self, queue: list[Pending]) -> np.ndarray:
+        """The queued prompts' embeddings (unit rows, in queue order), each computed once."""
+        missing = [p for p in queue if p.vector is None]
+        if missing:
+            for pending, vector in zip(missing, self._embedder.embed([p.member.prompt for p in missing]),
+                                       strict=True):
+                pending.vector = vector
+        return np.stack([p.vector for p in queue])  # type: ignore[misc]
+
     def serializes(self, endpoint: str) -> bool:
         """The pod runs one call at a time (learned, ``_started``) and one of ours runs now."""
         return self.in_flight[endpoint] > 0 and self.interleaves.get(endpoint, 1.0) < 0.5
@@ -282,11 +301,14 @@ class Coordinator:
             self.metrics.departures.labels(reason).inc()
             self.metrics.window.labels(key.model).set(wait)
             queue.sort(key=_rank)  # by class, with aging: a waiting batch-class request catches up
-            batch, budget = [], first.tokens
-            while queue and len(batch) < first.size and (not batch or budget >= queue[0].member.input_tokens):
-                pending = queue.pop(0)
-                budget -= pending.member.input_tokens
-                batch.append(pending)
+            lead = queue[0]
+            picked, joined = choose([p.member.prompt for p in queue], [p.member.input_tokens for p in queue],
+                                    lead.size, lead.tokens, lead.group, lambda: self._vectors(queue))
+            batch = [queue[i] for i in picked]
+            for i in reversed(picked):
+                del queue[i]
+            for affinity, count in joined.items():
+                self.metrics.grouped.labels(affinity).inc(count)
             asyncio.create_task(self._send(key, batch, reason))
         self.queues.pop(key, None)
         self._wakeups.pop(key, None)

@@ -106,8 +106,9 @@ class Router:
         if not (facts.batchable and settings.batches(state.qos) and self.coordinator is not None
                 and self.health.is_usable(self.coordinator)):
             return None
+        group = "" if settings.group_threshold is None else f"; group={settings.group_threshold:g}"
         return (f"wait_ms={settings.wait_ms(state.qos):g}; size={settings.max_batch_size}; "
-                f"tokens={settings.max_batched_tokens}")
+                f"tokens={settings.max_batched_tokens}{group}")
 
     def shed(self, pool: Pool, qos: str) -> ApiError | None:
         """QoS shedding: a 429 when the pool's pods have more requests waiting on average than
