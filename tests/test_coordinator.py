@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import orjson
 import pytest
@@ -233,6 +234,93 @@ async def test_a_batch_cut_mid_answer_is_resumed_on_the_fallback_pod() -> None:
         await c.close()
 
 
+class CuttingPod:
+    """Streams ``words`` one-word chunks per prompt, then drops the connection (a pod dying mid-batch)."""
+
+    def __init__(self, words: int) -> None:
+        self.words = words
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for word in range(self.words):
+            for i, _ in enumerate(body["prompt"]):
+                chunk = {"choices": [{"index": i, "text": f" w{word}", "finish_reason": None}]}
+                await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        request.transport.close()
+        return response
+
+
+class WordPod:
+    """Counts a word a token; answers a call only once ``together`` calls are in (then all of them)."""
+
+    def __init__(self, together: int) -> None:
+        self.bodies: list[dict] = []
+        self.all_in = asyncio.Event()
+        self.together = together
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if len(self.bodies) == self.together:
+            self.all_in.set()
+        await self.all_in.wait()
+        (prompt,) = body["prompt"]
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = {"choices": [{"index": 0, "text": " x" * body["max_tokens"], "finish_reason": "length"}]}
+        usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": body["max_tokens"]}
+        await response.write(b"data: " + orjson.dumps(chunk) + b"\n\ndata: " +
+                             orjson.dumps({"choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n")
+        return response
+
+
+async def _cut_batch(words: int, fallback: WordPod, prompts: list[str], max_tokens: int) -> list[dict]:
+    """Two plain clients merged into one call to a pod that dies after ``words`` words each."""
+    cutting = await _serve(CuttingPod(words).completions)
+    steady = await _serve(fallback.completions)
+    client = TestClient(TestServer(build_app(Coordinator())))
+    await client.start_server()
+    headers = {"x-gateway-destination-endpoint": f"127.0.0.1:{cutting.port},127.0.0.1:{steady.port}",
+               "x-llmgw-batch": f"wait_ms=5000; size={len(prompts)}", "x-llmgw-input-tokens": "2"}
+
+    async def ask(prompt: str) -> dict:
+        response = await client.post("/v1/completions", headers=headers, data=orjson.dumps(
+            {"model": "m", "prompt": prompt, "max_tokens": max_tokens}))
+        assert response.status == 200 and response.headers["x-llmgw-batch-size"] == str(len(prompts))
+        return await response.json()
+
+    try:
+        async with asyncio.timeout(10):
+            return list(await asyncio.gather(*(ask(p) for p in prompts)))
+    finally:
+        for c in (client, cutting, steady):
+            await c.close()
+
+
+async def test_cut_members_are_resumed_together_and_count_what_they_got_as_completion() -> None:
+    fallback = WordPod(together=2)  # answers only once both retries are in: none waits for the other's
+    answers = await _cut_batch(2, fallback, ["tell me", "ask you"], max_tokens=5)
+    assert sorted(b["prompt"] for b in fallback.bodies) == [["ask you w0 w1"], ["tell me w0 w1"]]
+    assert [b["max_tokens"] for b in fallback.bodies] == [3, 3]  # 5, less the 2 it had
+    for answer in answers:
+        assert answer["choices"][0]["text"] == " w0 w1 x x x"
+        # Its own prompt (2 words) and all 5 words of its answer; the retry's pod counted the 2 it
+        # had before as prompt.
+        assert (answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"]) == (2, 5)
+
+
+async def test_a_member_cut_after_its_last_token_is_complete_without_a_retry() -> None:
+    fallback = WordPod(together=1)
+    answers = await _cut_batch(4, fallback, ["tell me", "ask you"], max_tokens=4)
+    assert fallback.bodies == []  # not asked for one more token past max_tokens
+    for answer in answers:
+        assert answer["choices"][0] == {"index": 0, "text": " w0 w1 w2 w3", "logprobs": None,
+                                        "finish_reason": "length"}
+        assert answer["usage"]["completion_tokens"] == 4
+
+
 async def test_a_failing_pod_and_a_failing_retry_end_in_a_clear_error() -> None:
     async def broken(request: web.Request) -> web.Response:
         return web.Response(status=500, text="boom")
@@ -384,6 +472,74 @@ async def test_pods_that_speak_the_batch_protocol_get_one_call_with_each_prompts
     assert streamed[-1]["usage"]["completion_tokens"] == 7  # a delta may hold several steps' tokens
     calls = [r for r in (await (await pod.get("/debug/requests")).json())["requests"] if "batch" in str(r).lower()]
     assert calls  # the gRPC call is in the pod's record
+    await client.close()
+    await pod.close()
+
+
+async def _protocol_pod(**options: object) -> tuple[TestClient, int]:
+    """An in-process simulated pod serving the batch protocol: its HTTP client and its gRPC port."""
+    from extproc.resources import DEFAULT_TOKENIZER
+    from extproc.sim import SIM_POD, SimOptions
+    from extproc.sim import build_app as build_pod
+    from extproc.sim.tokens import SimTokenizer
+
+    app = build_pod(SimOptions(time_scale=0.0, batch_grpc_port=0, **options),  # type: ignore[arg-type]
+                    SimTokenizer.from_spec(DEFAULT_TOKENIZER))
+    pod = TestClient(TestServer(app))
+    await pod.start_server()
+    port = app[SIM_POD].batch_grpc_port
+    assert port is not None
+    return pod, port
+
+
+async def _protocol_known(coordinator: Coordinator, endpoint: str, address: str) -> None:
+    async with asyncio.timeout(5):
+        while coordinator._protocols.get(endpoint, (None, 0.0))[0] != address:
+            coordinator._protocol_address(endpoint)  # asks again once the old answer is forgotten
+            await asyncio.sleep(0.01)
+
+
+async def test_a_pod_gone_from_its_batch_protocol_address_is_asked_again() -> None:
+    from extproc.launcher import free_port
+
+    pod, grpc_port = await _protocol_pod()
+    endpoint = f"127.0.0.1:{pod.port}"
+    coordinator = Coordinator()
+    client = TestClient(TestServer(build_app(coordinator)))
+    await client.start_server()
+    # What it learnt before the pod was started again elsewhere: nothing listens there now.
+    stale = f"127.0.0.1:{free_port()}"
+    coordinator._protocols[endpoint] = (stale, time.monotonic())
+    headers = {"x-gateway-destination-endpoint": endpoint, "x-llmgw-batch": "wait_ms=0"}
+    body = orjson.dumps({"model": "llama-3-8b-instruct", "prompt": "hi", "max_tokens": 2})
+    assert (await client.post("/v1/completions", headers=headers, data=body)).status == 200  # retried over HTTP
+    assert coordinator._protocols.get(endpoint, (None,))[0] != stale  # not trusted for PROTOCOL_RECHECK_S
+    await _protocol_known(coordinator, endpoint, f"127.0.0.1:{grpc_port}")
+    assert (await client.post("/v1/completions", headers=headers, data=body)).status == 200
+    metrics = await (await client.get("/metrics")).text()
+    assert 'llmgw_batch_size_count{gen_ai_request_model="llama-3-8b-instruct",protocol="llmgw.v1"} 2.0' in metrics
+    await client.close()
+    await pod.close()
+
+
+async def test_a_silent_batch_protocol_call_fails_like_a_silent_http_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    from extproc.coordinator import server
+    from extproc.sim.faults import FaultConfig
+
+    monkeypatch.setattr(server, "POD_SILENCE_S", 0.3)
+    pod, grpc_port = await _protocol_pod(faults=FaultConfig(hang_rate=1.0))  # accepts calls, never answers
+    endpoint = f"127.0.0.1:{pod.port}"
+    coordinator = Coordinator()
+    client = TestClient(TestServer(build_app(coordinator)))
+    await client.start_server()
+    await _protocol_known(coordinator, endpoint, f"127.0.0.1:{grpc_port}")
+    headers = {"x-gateway-destination-endpoint": endpoint, "x-llmgw-batch": "wait_ms=0"}
+    async with asyncio.timeout(10):  # the call, then its retry over HTTP, each given up after 0.3 s
+        response = await client.post("/v1/completions", headers=headers, data=orjson.dumps(
+            {"model": "llama-3-8b-instruct", "prompt": "hi", "max_tokens": 2}))
+        assert response.status == 502 and (await response.json())["error"]["code"] == "upstream_failed"
+    metrics = await (await client.get("/metrics")).text()
+    assert 'llmgw_batch_size_count{gen_ai_request_model="llama-3-8b-instruct",protocol="llmgw.v1"} 1.0' in metrics
     await client.close()
     await pod.close()
 

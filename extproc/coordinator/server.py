@@ -93,6 +93,7 @@ class Pending:
     batch_size: int = 0
     ended: bool = False  # its answer's end was handed to the client's handler
     status: int = 200  # of a plain answer: the pod's refusal, or 502 when the pod and the retry failed
+    carried: int = 0  # content events it had before it was resumed: now part of the retry's prompt
 
     def end(self) -> None:
         """Nothing more comes for this client."""
@@ -353,22 +354,34 @@ class Coordinator:
                 batch_id, trace_id, span_id, key.model, key.endpoint, reason,
                 tuple(p.trace for p in batch if p.trace is not None), start_ns, time.time_ns(),
                 f"{len(unfinished)} of {len(batch)} answers cut" if unfinished else None))
-        retry = [p for p in unfinished if not p.gone]
-        for pending in retry:  # one by one, on the fallback, resumed after what the client already has
-            target = pending.fallback or key.endpoint
-            resumed = pending.member.prompt + "".join(pending.answer.parts)
-            params = dict(pending.member.params)
-            limit = params.pop("max_tokens", None) if key.sampling == PROTOCOL else key.max_tokens
-            left = None if limit is None else max(1, limit - pending.answer.events)
-            sampling = orjson.dumps(params, option=orjson.OPT_SORT_KEYS) if key.sampling == PROTOCOL else key.sampling
-            retry_key = BatchKey(target, key.model, left, sampling)
-            failed = await self._call(target, retry_key, [pending], batch_id, [resumed])
-            self.metrics.retries.labels("failed" if failed else "resumed").inc()
-            if failed:
-                pending.status = 502
-                pending.out.put_nowait(_failure(pending, "the pod failed while generating this answer, and so did "
-                                                "the retry", "upstream_failed"))
+        # Each member alone, all at once: none waits for the others' retries.
+        await asyncio.gather(*(self._resume(key, p, batch_id) for p in unfinished if not p.gone))
+
+    async def _resume(self, key: BatchKey, pending: Pending, batch_id: str) -> None:
+        """Retry a member the pod did not finish, alone on the fallback, resumed after what its client
+        already has (its prompt plus that text, for the tokens left); a 502 if that fails too."""
+        params = dict(pending.member.params)
+        limit = params.pop("max_tokens", None) if key.sampling == PROTOCOL else key.max_tokens
+        had = pending.answer.events  # about one token each (vLLM streams a token per event)
+        if limit is not None and had >= limit:  # cut after its last token, before the end: complete
+            if (event := pending.answer.delta("", "length")) and not pending.gone:
+                pending.out.put_nowait(event)
+            if not pending.gone:
+                pending.out.put_nowait(pending.answer.end(Usage(pending.member.input_tokens, had, 0)))
                 pending.end()
+            return
+        target = pending.fallback or key.endpoint
+        resumed = pending.member.prompt + "".join(pending.answer.parts)
+        sampling = orjson.dumps(params, option=orjson.OPT_SORT_KEYS) if key.sampling == PROTOCOL else key.sampling
+        retry_key = BatchKey(target, key.model, None if limit is None else limit - had, sampling)
+        pending.carried = had
+        failed = await self._call(target, retry_key, [pending], batch_id, [resumed])
+        self.metrics.retries.labels("failed" if failed else "resumed").inc()
+        if failed:
+            pending.status = 502
+            pending.out.put_nowait(_failure(pending, "the pod failed while generating this answer, and so did "
+                                            "the retry", "upstream_failed"))
+            pending.end()
 
     def _calling(self, endpoint: str) -> tuple[int, frozenset[int]]:
         """A call to ``endpoint`` goes out (``has_room`` counts it): its id, and the calls ahead of it."""
@@ -412,10 +425,11 @@ class Coordinator:
             for i, p in enumerate(batch)])
         finished: set[int] = set()
         call_id, ahead = self._calling(key.endpoint)
+        call = batch_pb2_grpc.BatchGenerationStub(channel).Generate(
+            request, metadata=(("traceparent", traceparent), ("baggage", f"llmgw.batch_id={batch_id}")))
         try:
-            call = batch_pb2_grpc.BatchGenerationStub(channel).Generate(
-                request, metadata=(("traceparent", traceparent), ("baggage", f"llmgw.batch_id={batch_id}")))
-            async for response in call:
+            # Each read bounded as the HTTP call's socket reads are (sock_read): a hung pod fails the call.
+            while (response := await asyncio.wait_for(call.read(), POD_SILENCE_S)) is not grpc.aio.EOF:
                 if ahead:
                     self._started(key.endpoint, ahead)
                     ahead = frozenset()
@@ -441,6 +455,14 @@ class Coordinator:
                             pending.end()
         except grpc.aio.AioRpcError as error:
             log.warning("batch %s to pod %s (batch protocol) failed: %s", batch_id, address, error.code().name)
+            if error.code() == grpc.StatusCode.UNAVAILABLE and self._protocols.get(key.endpoint, (None,))[0] == address:
+                # The pod went away; started again, it may serve the protocol on another port, or not at
+                # all: ask it again (vLLM's HTTP API meanwhile) rather than trust this address for long.
+                del self._protocols[key.endpoint]
+        except TimeoutError:
+            call.cancel()
+            log.warning("batch %s to pod %s (batch protocol) failed: silent for %.0f s", batch_id, address,
+                        POD_SILENCE_S)
         finally:
             self._called(key.endpoint, call_id)
         return [p for i, p in enumerate(batch) if i not in finished]
@@ -487,13 +509,23 @@ class Coordinator:
         finally:
             self._called(endpoint, call_id)
         done = [p for i, p in enumerate(batch) if i in finished]
-        for pending, share in zip(batch, shares(usage if len(done) == len(batch) else None,
-                                                [p.member for p in batch], [p.answer.events for p in batch]),
+        pod_usage = usage if len(done) == len(batch) else None
+        for pending, share in zip(batch, shares(pod_usage, [p.member for p in batch], [p.answer.events for p in batch]),
                                   strict=True):
             if pending in done and not pending.gone:
+                if pod_usage is not None and pending.carried:
+                    share = _resumed_usage(share, pending.carried)
                 pending.out.put_nowait(pending.answer.end(share))
                 pending.end()
         return [p for i, p in enumerate(batch) if i not in finished]
+
+
+def _resumed_usage(usage: Usage, carried: int) -> Usage:
+    """A resumed member's usage from its retry's: the ``carried`` tokens it had before were part of
+    the retry's prompt, and count as its completion again (as OpenAI counts one request)."""
+    moved = min(carried, usage.input_tokens)
+    prompt = usage.input_tokens - moved
+    return Usage(prompt, usage.output_tokens + moved, min(usage.cached_tokens, prompt))
 
 
 def _member_trace(header: str | None) -> tuple[str, str, bool] | None:

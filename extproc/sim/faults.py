@@ -4,7 +4,9 @@ Pure and seeded: ``FaultInjector.decide()`` draws the same three random numbers 
 request, so one ``--seed`` reproduces the same sequence of faults. Errors answer 500
 (``InternalServerError``) or 503 (``ServiceUnavailableError``) with equal odds; a spike delays
 the first token by a wall-clock ``spike_ms`` (not scaled by ``--time-scale``); a hang accepts
-the request and never answers; ``crash_after`` exits the process after that many requests.
+the request and never answers; ``crash_after`` exits the process after that many requests;
+``die_after_tokens`` kills it in the middle of its answers once one of its sequences has generated
+that many tokens (no random draw: an answer that long always dies there).
 """
 
 from __future__ import annotations
@@ -17,21 +19,22 @@ ERROR_TYPES = {500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 @dataclass(frozen=True, slots=True)
 class FaultConfig:
-    """Fault probabilities per request (0..1) and the crash threshold (0 = never)."""
+    """Fault probabilities per request (0..1) and the crash thresholds (0 = never)."""
 
     error_rate: float = 0.0
     spike_rate: float = 0.0
     spike_ms: float = 0.0
     hang_rate: float = 0.0
-    crash_after: int = 0
+    crash_after: int = 0  # requests answered before the process exits
+    die_after_tokens: int = 0  # tokens one sequence generates before the process dies mid-answer
 
     def __post_init__(self) -> None:
         for name in ("error_rate", "spike_rate", "hang_rate"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name}: must be within 0..1, got {value}")
-        if self.spike_ms < 0 or self.crash_after < 0:
-            raise ValueError("spike_ms and crash_after must be >= 0")
+        if self.spike_ms < 0 or self.crash_after < 0 or self.die_after_tokens < 0:
+            raise ValueError("spike_ms, crash_after and die_after_tokens must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,3 +75,9 @@ class FaultInjector:
         """Count one request; True when it is the one after which the process must crash."""
         self.requests_seen += 1
         return self.config.crash_after > 0 and self.requests_seen == self.config.crash_after
+
+    def dies_after(self, generated: int) -> bool:
+        """True when a sequence that has generated ``generated`` tokens ends the process
+        (``die_after_tokens``), cutting every answer it was giving."""
+        limit = self.config.die_after_tokens
+        return limit > 0 and generated >= limit

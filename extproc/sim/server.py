@@ -42,7 +42,7 @@ from extproc.sim.protocol import (
     parse_embedding,
     parse_generation,
 )
-from extproc.sim.scheduler import SimSequence, make_scheduler
+from extproc.sim.scheduler import Scheduler, SimSequence, StepResult, make_scheduler
 from extproc.sim.tokens import SimTokenizer
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -106,9 +106,9 @@ class SimPod:
         self.metrics = SimMetrics(options.model, options.max_model_len,
                                   options.max_loras if options.enable_lora else None)
         self.scheduler = make_scheduler(options.engine, options.cost, options.max_loras)
-        self.engine = SimEngine(self.scheduler, options.time_scale, self.metrics.record_step,
-                                self._on_sequence_finished)
+        self.engine = SimEngine(self.scheduler, options.time_scale, self._on_step, self._on_sequence_finished)
         self.faults = FaultInjector(options.faults, random.Random(f"faults:{options.seed}"))
+        self._dying = False  # die_after_tokens: a sequence reached it; the process ends before the next step
         self._rng = random.Random(f"sampling:{options.seed}")
         self._exit_process = exit_process
         self.recorded: deque[RecordedRequest] | None = (
@@ -218,6 +218,19 @@ class SimPod:
     def exit_soon(self) -> None:
         """End the process (``crash_after``) once the last answer has left the socket."""
         asyncio.get_running_loop().call_later(_CRASH_DELAY_S, self._exit_process)
+
+    def _on_step(self, result: StepResult, scheduler: Scheduler) -> None:
+        """After each engine step, before its tokens are handed out: metrics, and ``die_after_tokens``.
+
+        The step in which a sequence generates its N-th token is handed out (every stream and
+        batch-protocol call gets its tokens); the process ends before the next step is, or
+        ``_CRASH_DELAY_S`` later when none comes: its clients' connections are cut mid-answer."""
+        self.metrics.record_step(result, scheduler)
+        if self._dying:
+            self._exit_process()
+        elif any(self.faults.dies_after(seq.generated) for seq in result.emitted):
+            self._dying = True
+            self.exit_soon()
 
     async def _serve(self, request: web.Request, operation: Operation, request_id: str,
                      arrived: float) -> web.StreamResponse:

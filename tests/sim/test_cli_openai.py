@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -20,8 +22,9 @@ MODEL = "sim-model"
 ALIAS = "sim-alias"
 
 
-def start_sim(*flags: str) -> tuple[subprocess.Popen[str], str]:
-    """Start a pod and wait for its READY line; returns (process, base URL)."""
+def start_sim(*flags: str, ready: str = "READY ") -> tuple[subprocess.Popen[str], str]:
+    """Start a pod and wait for its READY line (or the first line, ``BATCH-GRPC``, with
+    ``ready="BATCH-GRPC "``); returns (process, the line's address)."""
     stderr = tempfile.TemporaryFile("w+")  # a file, so a chatty pod can never block on a pipe
     proc = subprocess.Popen(
         [sys.executable, "-m", "extproc.sim", "--port", "0", "--model", MODEL, *flags],
@@ -29,7 +32,7 @@ def start_sim(*flags: str) -> tuple[subprocess.Popen[str], str]:
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()  # blocks until READY (or EOF if it died)
-    if not line.startswith("READY "):
+    if not line.startswith(ready):
         proc.kill()
         proc.wait()
         stderr.seek(0)
@@ -98,6 +101,61 @@ def test_crash_after_exits_hard() -> None:
         with urllib.request.urlopen(request, timeout=10) as resp:
             assert resp.status == 200  # the N-th request is still answered
         assert proc.wait(timeout=10) == 1  # then os._exit(1)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_die_after_tokens_cuts_the_stream_and_exits_hard() -> None:
+    proc, url = start_sim("--die-after-tokens", "3", "--time-scale", "1")
+    try:
+        chunks = [0, 0]  # per prompt: one token each, the reader keeping up
+        body = {"prompt": ["a", "b"], "max_tokens": 10, "ignore_eos": True, "stream": True}
+        with (pytest.raises(httpx.RemoteProtocolError),  # cut: no end of the chunked body
+              httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=10) as resp):
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    assert choice["finish_reason"] is None and choice["text"]
+                    chunks[choice["index"]] += 1
+        assert proc.wait(timeout=10) == 1
+        assert chunks == [3, 3]  # the 3rd token's step was sent, then nothing
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_die_after_tokens_cuts_a_batch_protocol_call() -> None:
+    import asyncio
+
+    import grpc
+
+    from extproc.protos.llmgw.v1 import batch_pb2, batch_pb2_grpc
+
+    proc, address = start_sim("--die-after-tokens", "3", "--time-scale", "1", "--batch-grpc-port", "0",
+                              ready="BATCH-GRPC ")
+    params = batch_pb2.SamplingParams(max_tokens=10, ignore_eos=True)
+    items = [batch_pb2.BatchItem(index=i, text=f"prompt {i}", params=params) for i in range(2)]
+
+    async def call() -> tuple[list[int], grpc.StatusCode]:
+        deltas = [0, 0]
+        async with grpc.aio.insecure_channel(address) as channel:
+            try:
+                async for response in batch_pb2_grpc.BatchGenerationStub(channel).Generate(
+                        batch_pb2.GenerateRequest(items=items)):
+                    for delta in response.deltas:
+                        assert not delta.finish_reason and delta.text
+                        deltas[delta.index] += 1
+            except grpc.aio.AioRpcError as error:
+                return deltas, error.code()
+        raise AssertionError("the call was not cut")
+
+    try:
+        deltas, code = asyncio.run(call())
+        assert code == grpc.StatusCode.UNAVAILABLE and proc.wait(timeout=10) == 1
+        assert deltas == [3, 3]
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)

@@ -314,6 +314,23 @@ async def test_crash_after(make_client: ClientFactory) -> None:
         await crashed.wait()
 
 
+async def test_die_after_tokens_ends_the_process_once_a_sequence_has_that_many(make_client: ClientFactory) -> None:
+    received: list[int] = []  # content chunks the client had when the pod asked to end the process
+    chunks = 0
+    client = await make_client(exit_process=lambda: received.append(chunks), faults=FaultConfig(die_after_tokens=4),
+                               time_scale=1.0, cost=CostParams(decode_base_s=0.05, decode_per_seq_s=0.0,
+                                                               prefill_per_token_s=0.0))
+    short = await post(client, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True})
+    assert (await short.read()).endswith(b"data: [DONE]\n\n") and not received  # 3 tokens: no fault
+    resp = await post(client, "/v1/completions",
+                      {"model": MODEL, "prompt": ["x", "y"], "max_tokens": 8, "ignore_eos": True, "stream": True})
+    async for line in resp.content:
+        chunks += line.startswith(b"data: {")
+    # The step of the 4th token is handed out (4 chunks per prompt), then the process would end
+    # (a stub here: the stream goes on).
+    assert received and received[0] == 2 * 4
+
+
 async def test_client_disconnect_aborts_stream(make_client: ClientFactory) -> None:
     cost = CostParams(decode_base_s=0.01, decode_per_seq_s=0.0, prefill_per_token_s=0.0)
     client = await make_client(time_scale=1.0, cost=cost)
