@@ -413,7 +413,7 @@ class StackOptions:
     sim_args: tuple[str, ...] = ()
     log_level: str = "INFO"
     ready_timeout: float = 60.0  # per stage; only a hung child waits it out (a dead one fails at once)
-    env: dict[str, str] = field(default_factory=dict)  # extra environment of the extproc workers (keys)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment of extproc and the coordinator (keys)
     metrics_port: int | None = None  # serve the workers' summed Prometheus /metrics here (0: a free port)
     # Last edit of the rendered Envoy config, given the pods' URLs (benchmarks add a direct listener).
     envoy_patch: Callable[[dict[str, Any], dict[str, list[str]]], None] | None = None
@@ -469,7 +469,7 @@ class LocalStack:
         if coordinator is not None:
             child = self.group.spawn("coordinator", [
                 sys.executable, "-m", "extproc.coordinator", "--config", str(config_path), "--host", coordinator[0],
-                "--port", str(coordinator[1]), "--log-level", opts.log_level])
+                "--port", str(coordinator[1]), "--log-level", opts.log_level], env=opts.env)  # it loads the config too
             self.group.wait_ready_line(child, opts.ready_timeout)
 
         # Held until stop: a restarted worker binds the same port, and nobody can take it meanwhile.
