@@ -103,7 +103,8 @@ def response_facts(entry: al.HTTPAccessLogEntry, lua: Mapping[str, Any]) -> Resp
         attempts=max(1, common.upstream_request_attempt_count), first_byte_ns=first_byte, usage=usage,
         content_events=int(lua.get("events", 0)),
         first_event_ns=int(first_event * 1_000_000) if first_event is not None else None,
-        streamed=bool(lua.get("sse", False)))
+        streamed=bool(lua.get("sse", False)),
+        body=lua["body"].encode() if isinstance(lua.get("body"), str) and not lua.get("body_cut") else None)
 
 
 def plain(struct: Struct) -> dict[str, Any]:

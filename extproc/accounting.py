@@ -24,7 +24,8 @@ from extproc.quota.limits import Lease
 
 NAMESPACE = "llmgw"  # extproc's decision (ext_proc metadata_options.receiving_namespaces)
 RESPONSE_NAMESPACE = "llmgw.response"  # what the Lua filter read from the response
-SERVED, REJECTED = "served", "rejected"
+SERVED, REJECTED, CACHED = "served", "rejected", "cached"  # CACHED: the response cache answered it
+CACHE_HIT, CACHE_MISS = "hit", "miss"
 UNSETTLED = "unsettled"  # forwarded, but its access-log entry never came
 # Usage provenance: the pod's usage object, counted by the gateway, or none at all.
 USAGE_REPORTED, USAGE_ESTIMATED, USAGE_NONE = "reported", "estimated", "none"
@@ -69,6 +70,8 @@ class Decision:
     phases: tuple[Phase, ...] = ()
     intent: str = ""  # semantic routing's intent ("default": none matched)
     score: float | None = None  # its cosine similarity
+    cache: str = ""  # the response cache's answer: hit, miss (the pod's answer is stored), "" (not cacheable)
+    cache_key: str = ""  # the cache key (hex) of a miss, under which its answer is stored
 
     def metadata(self) -> dict[str, object]:
         """The decision as a JSON-able mapping for ``ProcessingResponse.dynamic_metadata``."""
@@ -90,6 +93,10 @@ class Decision:
             out["intent"] = self.intent
         if self.score is not None:
             out["score"] = self.score
+        if self.cache:
+            out["cache"] = self.cache
+        if self.cache_key:
+            out["cache_key"] = self.cache_key
         if self.lease is not None:
             lease = self.lease
             out["lease"] = {"tenant": lease.tenant, "qos": lease.qos, "id": lease.lease_id,
@@ -121,6 +128,7 @@ class Decision:
                 trace_id=str(data.get("trace_id", "")), span_id=str(data.get("span_id", "")),
                 parent_span_id=str(data.get("parent_span_id", "")), sampled=bool(data.get("sampled", False)),
                 lease=lease, phases=phases, intent=str(data.get("intent", "")),
+                cache=str(data.get("cache", "")), cache_key=str(data.get("cache_key", "")),
                 score=float(score) if isinstance(score, (int, float)) and not isinstance(score, bool) else None)
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"not a gateway decision: {error}") from error
@@ -168,6 +176,7 @@ class ResponseFacts:
     content_events: int = 0
     first_event_ns: int | None = None
     streamed: bool = False
+    body: bytes | None = None  # the response body, captured for the response cache (a miss's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +265,7 @@ class RequestRecord:
             "llmgw.usage.estimated": self.usage_estimated, "llmgw.cost_usd": self.cost_usd,
             "llmgw.time_to_first_token_ms": self.ttft_ms, "llmgw.duration_ms": self.duration_ms,
             "llmgw.response_bytes": self.response_bytes, "trace_id": d.trace_id, "span_id": d.span_id,
+            "llmgw.cache": d.cache or None,
         }
 
 
@@ -288,6 +298,16 @@ def rejection(decision: Decision, status: int, error: str | None, end_ns: int) -
     """The record of a request the gateway answered itself (it never reached a pod)."""
     return RequestRecord(decision=decision, kind=REJECTED, status=status, end_ns=end_ns, usage=None,
                          usage_source=USAGE_NONE, cost_usd=0.0, ttft_ms=None, error=error)
+
+
+def cache_hit(decision: Decision, usage: Usage, prices: Prices | None, end_ns: int, charged: bool) -> RequestRecord:
+    """The record of a request the response cache answered, with the stored answer's usage. It
+    costs nothing unless the cache charges hits (``charged``: then as the pod's answer did)."""
+    cost = round(prices.cost(usage.input_tokens, usage.output_tokens, usage.cached_tokens), 9) \
+        if prices is not None and charged else 0.0
+    ttft = round(max(0, end_ns - decision.started_ns) / 1e6, 3)
+    return RequestRecord(decision=decision, kind=CACHED, status=200, end_ns=end_ns, usage=usage,
+                         usage_source=USAGE_REPORTED, cost_usd=cost, ttft_ms=ttft, prices=prices)
 
 
 def micro_dollars(cost: float) -> int:

@@ -23,6 +23,8 @@ from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.accesslog import AccessLogReceiver
+from extproc.cache.filters import BloomFilter
+from extproc.cache.store import CACHE_PATH_ENV, RedisBackend, ResponseCache, SqliteBackend
 from extproc.config import LEDGER_PATH_ENV, QUOTA_PATH_ENV, ConfigError, GatewayConfig, load_config
 from extproc.gateway import Gateway
 from extproc.keys import RedisKeyTable
@@ -65,6 +67,21 @@ def build_store(config: GatewayConfig) -> QuotaStore:
     return FallbackStore(primary, local, OnStoreError(quota.on_store_error), replicas=quota.replicas)
 
 
+def build_cache(config: GatewayConfig) -> ResponseCache | None:
+    """The response cache when some model or rule caches answers: in Redis with ``redis_url``,
+    else in the node's SQLite file (``response_cache.local_path``, else ``$LLMGW_CACHE_PATH``)."""
+    if not config.caches:
+        return None
+    spec = config.response_cache
+    bloom = BloomFilter(spec.bloom_bits, spec.bloom_hashes)
+    if config.redis_url is not None:
+        return ResponseCache(RedisBackend(config.redis_url), bloom)
+    path = spec.local_path or os.environ.get(CACHE_PATH_ENV)
+    if path is None:
+        log.warning("no response_cache.local_path nor %s: each extproc process caches alone", CACHE_PATH_ENV)
+    return ResponseCache(SqliteBackend(path), bloom)
+
+
 def build_ledger(config: GatewayConfig) -> LedgerSink | None:
     """The Redis Stream ledger with ``redis_url``, else the node's JSON-lines file, else none (said loudly)."""
     if config.redis_url is not None:
@@ -86,8 +103,8 @@ def build_tracing(config: GatewayConfig) -> tuple[RequestTracer | None, Sampler 
 
 
 def build_server(config: GatewayConfig, gateway: Gateway, store: QuotaStore, settlement: Settlement,
-                 analyzer: BodyAnalyzer | None = None, classifier: IntentClassifier | None = None
-                 ) -> tuple[grpc.aio.Server, AccessLogReceiver]:
+                 analyzer: BodyAnalyzer | None = None, classifier: IntentClassifier | None = None,
+                 cache: ResponseCache | None = None) -> tuple[grpc.aio.Server, AccessLogReceiver]:
     """A grpc.aio server carrying both services; messages as large as Envoy may buffer."""
     # At least what Envoy may buffer (per_connection_buffer_limit_bytes in envoy.yaml), so that an
     # oversize chunked body reaches the gateway and gets an OpenAI-style 413, not a gRPC error.
@@ -100,8 +117,8 @@ def build_server(config: GatewayConfig, gateway: Gateway, store: QuotaStore, set
             ("grpc.max_concurrent_streams", 10000),
         ]
     )
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(gateway, store, settlement, analyzer, classifier),
-                                                     server)
+    pb_grpc.add_ExternalProcessorServicer_to_server(
+        ExternalProcessor(gateway, store, settlement, analyzer, classifier, cache), server)
     receiver = AccessLogReceiver(settlement)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(receiver, server)
     return server, receiver
@@ -140,14 +157,15 @@ async def watch_config(path: Path, gateway: Gateway, interval: float = RELOAD_IN
 
 async def housekeeping(gateway: Gateway, settlement: Settlement, metrics: GatewayMetrics, store: QuotaStore,
                        ledger: LedgerSink | None, classifier: IntentClassifier | None = None,
-                       states: PodStates | None = None) -> None:
+                       states: PodStates | None = None, cache: ResponseCache | None = None) -> None:
     """Once a second: copy the quota store's and the ledger's counters into the metrics; every few
     seconds, report the requests decided here whose access-log entries never came."""
     stats = store.stats if isinstance(store, FallbackStore) else None
     last_sweep = time.monotonic()
     while True:
         metrics.sync(stats, ledger, classifier.stats if classifier is not None else None,
-                     len(states.snapshot()) if states is not None else None)
+                     len(states.snapshot()) if states is not None else None,
+                     cache.counters if cache is not None else None)
         if time.monotonic() - last_sweep >= HOUSEKEEPING_S:
             settlement.unsettled(gateway.router.forget_stale())
             last_sweep = time.monotonic()
@@ -181,10 +199,11 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     store, ledger, metrics = build_store(config), build_ledger(config), GatewayMetrics()
     if metrics_port is not None and not os.environ.get(MULTIPROC_ENV):
         serve_metrics(metrics_port, host, registry=metrics.registry)
-    settlement = Settlement(gateway, store, ledger, metrics, tracer)
+    cache = build_cache(config)
+    settlement = Settlement(gateway, store, ledger, metrics, tracer, cache)
     analyzer, classifier = BodyAnalyzer(), IntentClassifier()
     await configure_intents(classifier, config)  # before serving: "auto" is routed from the first request
-    server, _ = build_server(config, gateway, store, settlement, analyzer, classifier)
+    server, _ = build_server(config, gateway, store, settlement, analyzer, classifier, cache)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     ready(bound)
@@ -199,13 +218,14 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     key_watcher = asyncio.create_task(key_table.watch(
         gateway.set_redis_keys, config.keys.poll_s, max_stale_s=config.keys.max_stale_s)) if key_table else None
     keeper = asyncio.create_task(housekeeping(gateway, settlement, metrics, store, ledger, classifier,
-                                              states if scrape.enabled else None))
+                                              states if scrape.enabled else None, cache))
+    follower = asyncio.create_task(cache.follow()) if cache is not None else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    for task in (watcher, key_watcher, keeper, prober, warming, gatherer):
+    for task in (watcher, key_watcher, keeper, prober, warming, gatherer, follower):
         if task is not None:
             task.cancel()
     await server.stop(grace=5)  # Envoy's access-log streams end here: their last entries are settled
@@ -219,6 +239,8 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     if ledger is not None:
         await ledger.close()  # flush what Redis can still take
     await store.close()
+    if cache is not None:
+        await cache.backend.close()
 
 
 def configure_logging(level: str = "INFO") -> None:

@@ -13,6 +13,8 @@ small bodies and in a helper process above ``server.offload_body_bytes``; both g
 
 from __future__ import annotations
 
+import hashlib
+
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +62,23 @@ class BodyFacts:
     intent: str = ""  # the intent that chose ``served`` ("default": none did)
     score: float | None = None  # its cosine similarity
     batchable: bool = False  # may share one merged call to a pod (see ``can_batch``)
+    answer_digest: bytes | None = None  # a deterministic request's answer-defining fields (``answer_digest``)
+
+
+# Fields that do not change a generation's answer: who asks, how it is delivered, what is stored.
+_DELIVERY_FIELDS = frozenset({"model", "stream", "stream_options", "user", "metadata", "store", "service_tier",
+                              "safety_identifier", "prompt_cache_key"})
+
+
+def answer_digest(path: str, raw: Mapping[str, object]) -> bytes | None:
+    """SHA-256 of what defines a deterministic request's answer (temperature 0, or a seed): the
+    endpoint and every field but the model (the gateway adds the served one) and the delivery
+    fields, as canonical JSON (sorted keys). None for a sampled request: its answer is not one."""
+    seed, temperature = raw.get("seed"), raw.get("temperature")
+    if not (temperature == 0 or (isinstance(seed, int) and not isinstance(seed, bool))):
+        return None
+    defining = {k: v for k, v in raw.items() if k not in _DELIVERY_FIELDS}
+    return hashlib.sha256(path.encode() + b"\n" + orjson.dumps(defining, option=orjson.OPT_SORT_KEYS)).digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +113,7 @@ def analyze(operation: Operation, body: bytes, served_names: Mapping[str, str], 
     check_structure(raw, limits)
     parsed = validate(operation, raw)
     request = parsed.model
+    digest = answer_digest(operation.path, raw) if not isinstance(request, EmbeddingRequest) else None
     served = served_names.get(request.model)
     stream = bool(getattr(request, "stream", False))
     counters = estimators or {}
@@ -133,7 +153,7 @@ def analyze(operation: Operation, body: bytes, served_names: Mapping[str, str], 
         model=request.model, served=served, stream=stream, n=getattr(request, "n", None) or 1,
         output_limit=request.output_limit, embedding=isinstance(request, EmbeddingRequest),
         input_tokens=input_tokens, strip_usage=strip_usage and served is not None, features=features,
-        rule=rule, pool=pool, prefix=prefix, intent_text=text, batchable=can_batch(raw),
+        rule=rule, pool=pool, prefix=prefix, intent_text=text, batchable=can_batch(raw), answer_digest=digest,
     )
     # Depth is bounded (max_depth < orjson's 254 levels), so dumps cannot raise here.
     return facts, (orjson.dumps(raw) if changed else None)

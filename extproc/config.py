@@ -146,6 +146,28 @@ class BatchingSpec(_Strict):
         return self.max_wait_ms.get(qos, self.max_wait_ms.get("default", 50.0))
 
 
+class CacheSpec(_Strict):
+    """The response cache of a model or a routing rule (opt-in): a deterministic request
+    (temperature 0, or a seed) answered before is answered again by the gateway itself."""
+
+    ttl_s: Annotated[float, Field(gt=0, le=30 * 86400)] = 300.0  # how long an answer is served as fresh
+    # How long a copy is kept past ttl_s, served only when no pod can answer (x-llmgw-cache: stale).
+    stale_ttl_s: Annotated[float, Field(ge=0, le=365 * 86400)] = 86400.0
+    partition: Literal["tenant", "global"] = "tenant"  # tenant: one tenant never sees another's answers
+    charge_tokens: bool = False  # a hit counts against the tenant's request limits; its tokens too if true
+    # Larger answers are not kept (Envoy's Lua filter hands over at most 1 MiB of a response).
+    max_entry_bytes: Annotated[int, Field(ge=1024, le=1 << 20)] = 256 * 1024
+
+
+class ResponseCacheSpec(_Strict):
+    """The node-wide side of the response cache: the penetration guard's Bloom filter of keys
+    that exist (checked before the store: a key it has never seen costs no round trip)."""
+
+    bloom_bits: Annotated[int, Field(ge=8, le=1 << 33, multiple_of=8)] = 8 * 2 ** 20  # m = 1 MiB
+    bloom_hashes: Annotated[int, Field(ge=1, le=16)] = 3  # k
+    local_path: str | None = None  # SQLite file shared by this node's workers without Redis (else LLMGW_CACHE_PATH)
+
+
 class PoolSpec(_Strict):
     """A set of interchangeable inference pods serving the same models."""
 
@@ -208,6 +230,7 @@ class ModelSpec(_Strict):
     # A LoRA adapter the pool's pods load on demand (vLLM --lora-modules): the picker prefers the
     # pods that have it loaded, or room to load it.
     lora: bool = False
+    cache: CacheSpec | None = None  # cache this model's deterministic answers (a rule's own cache wins)
 
 
 class KeySpec(_Strict):
@@ -408,6 +431,7 @@ class RouteSpec(_Strict):
     model: str
     pool: str | None = None
     intents: bool = False  # classify matching requests (`intents:`): an intent's model wins, else this rule's
+    cache: CacheSpec | None = None  # cache the deterministic answers of requests this rule routes
 
 
 class EmbedderSpec(_Strict):
@@ -484,6 +508,7 @@ class GatewaySpec(_Strict):
     routes: list[RouteSpec] = Field(default_factory=list)
     endpoint_picker: EndpointPickerSpec = Field(default_factory=EndpointPickerSpec)
     intents: IntentsSpec | None = None
+    response_cache: ResponseCacheSpec = Field(default_factory=ResponseCacheSpec)
 
     @model_validator(mode="after")
     def _cross_references(self) -> GatewaySpec:
@@ -566,6 +591,7 @@ class Model:
     version: str = ""
     lora: bool = False
     chat_template: JinjaChatTemplate | None = None  # None: ChatML
+    cache: CacheSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -644,6 +670,17 @@ class GatewayConfig:
     rules: tuple[Rule, ...] = ()
     endpoint_picker: EndpointPickerSpec = field(default_factory=EndpointPickerSpec)
     intents: Intents | None = None
+    route_caches: dict[str, CacheSpec] = field(default_factory=dict)  # routing rule name -> its cache
+    response_cache: ResponseCacheSpec = field(default_factory=ResponseCacheSpec)
+
+    @property
+    def caches(self) -> bool:
+        """Whether any model or rule caches answers."""
+        return bool(self.route_caches) or any(m.cache is not None for m in self.models)
+
+    def cache_for(self, rule: str, model: Model) -> CacheSpec | None:
+        """The cache of a request routed by ``rule`` ("" for none) to ``model``: the rule's, else the model's."""
+        return self.route_caches.get(rule) or model.cache
 
     @property
     def prefix_blocks(self) -> tuple[int, int]:
@@ -705,7 +742,7 @@ def compile_spec(spec: GatewaySpec, *, env: dict[str, str] | os._Environ[str]) -
     models = tuple(
         Model(m.name, pools[m.pool], tuple(m.aliases), m.owned_by, m.max_model_len, Prices(**m.price.model_dump()),
               _tokenizer_path(m.tokenizer, f"models[{i}].tokenizer"), m.version, m.lora,
-              _chat_template(m.chat_template, f"models[{i}].chat_template", templates))
+              _chat_template(m.chat_template, f"models[{i}].chat_template", templates), m.cache)
         for i, m in enumerate(spec.models)
     )
     by_name = {name: model for model in models for name in (model.name, *model.aliases)}
@@ -718,7 +755,8 @@ def compile_spec(spec: GatewaySpec, *, env: dict[str, str] | os._Environ[str]) -
     return GatewayConfig(by_name, models, pools, spec.server.max_body_bytes, spec.server, redis_url,
                          keys, tenants, bool(spec.tenants), spec.quota, spec.keys,
                          _compile_tracing(spec.tracing, env), _compile_rules(spec, by_name), spec.endpoint_picker,
-                         _compile_intents(spec.intents, by_name, env))
+                         _compile_intents(spec.intents, by_name, env),
+                         {r.name: r.cache for r in spec.routes if r.cache is not None}, spec.response_cache)
 
 
 def _compile_rules(spec: GatewaySpec, models: dict[str, Model]) -> tuple[Rule, ...]:

@@ -83,7 +83,15 @@ class Classify:
     text: str
 
 
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """Not an answer yet: the response cache, for the shell to look ``key`` up (its Bloom filter,
+    then its store), then hand the stored answer (None: a miss) to ``Gateway.resume``."""
+
+    key: bytes
+
+
 Decision = Continue | Reply
-Effect = Admit | Analyze | Classify  # work the shell does, then hands back to ``Gateway.resume``
+Effect = Admit | Analyze | Classify | Lookup  # work the shell does, then hands back to ``Gateway.resume``
 Step = Decision | Effect
 PASS_THROUGH = Continue()

@@ -21,13 +21,14 @@ from typing import Protocol
 import orjson
 
 from extproc import validation
-from extproc.accounting import RequestRecord, micro_dollars, rejection
+from extproc.accounting import CACHE_HIT, RequestRecord, Usage, cache_hit, micro_dollars, rejection
 from extproc.api import OPERATIONS_BY_PATH, ApiError
 from extproc.auth import CHALLENGE, UNAUTHORIZED, authenticate
 from extproc.body import NO_RULES, BodyFacts, BodyLimits, Routing, analyze, with_model
 from extproc.catalog import model_card, models_list
 from extproc.config import GatewayConfig
-from extproc.decisions import Admit, Analyze, Classify, Continue, Decision, Effect, Headers, Reply, Step
+from extproc.cache.answers import cache_key, render, usage_of
+from extproc.decisions import Admit, Analyze, Classify, Continue, Decision, Effect, Headers, Lookup, Reply, Step
 from extproc.keys import KeySnapshot
 from extproc.predict import OutputLengthPredictor
 from extproc.qos import QOS_HEADER, choose_qos
@@ -35,7 +36,7 @@ from extproc.quota.limits import Admission, Lease
 from extproc.quota.limits import Decision as QuotaVerdict
 from extproc.quota.replies import UNAVAILABLE, refusal
 from extproc.quota.store import StoreUnavailable
-from extproc.routing.decision import Router, decision_of
+from extproc.routing.decision import CACHE_HEADER, Router, decision_of
 from extproc.routing.health import EndpointHealth
 from extproc.routing.picker import EndpointPicker
 from extproc.state import RequestState, new_state
@@ -178,6 +179,8 @@ class Gateway:
             return self._analyzed(state, result)
         if isinstance(effect, Classify):
             return self._classified(state, result)
+        if isinstance(effect, Lookup):
+            return self._looked_up(state, result)
         if isinstance(result, StoreUnavailable):
             # The quota store is down and the config says fail closed.
             return self._reject(state, UNAVAILABLE, (("retry-after", "1"),))
@@ -229,7 +232,7 @@ class Gateway:
             return self._reject(state, overloaded, (("retry-after", "1"),))
         quota = state.tenant.quota(state.qos) if state.tenant is not None else None
         if quota is None:
-            return self.router.route(state, QOS_HEADER)
+            return self._cached_or_routed(state)
         assert state.tenant is not None
         input_tokens, output_tokens = self._reserve(state, facts)
         state.reserved_tokens = input_tokens + output_tokens
@@ -247,7 +250,39 @@ class Gateway:
             return self._reject(state, refusal(tenant, verdict), verdict.headers())
         state.lease = verdict.lease
         state.rate_headers = verdict.headers()
-        return self.router.route(state, QOS_HEADER)
+        return self._cached_or_routed(state)
+
+    def _cached_or_routed(self, state: RequestState) -> Step:
+        """Admitted: a cacheable request is looked up first (``Lookup``); the others are routed."""
+        facts, model = state.facts, state.model
+        assert facts is not None and model is not None
+        spec = self.config.cache_for(facts.rule, model) if facts.answer_digest is not None else None
+        if spec is None:
+            return self.router.route(state, QOS_HEADER)
+        partition = state.tenant.name if spec.partition == "tenant" and state.tenant is not None else ""
+        state.cache_key = cache_key(facts.answer_digest, model.name, model.version, partition)  # type: ignore[arg-type]
+        return Lookup(state.cache_key)
+
+    def _looked_up(self, state: RequestState, stored: object) -> Decision:
+        """The cache's answer: a hit is answered here, in the shape the client asked for; a miss
+        (or a cache that failed: ``stored`` is then the exception) is routed, and its answer stored."""
+        state.end("cache")
+        if not isinstance(stored, bytes):
+            return self.router.route(state, QOS_HEADER)
+        facts = state.facts
+        assert facts is not None
+        state.cached, state.new_body = stored, None
+        body, content_type = render(stored, facts.model, facts.stream, include_usage=not facts.strip_usage)
+        return Reply(200, body, (("content-type", content_type), (CACHE_HEADER, CACHE_HIT), *state.identity_headers(),
+                                 *state.rate_headers))
+
+    def cache_record(self, state: RequestState) -> tuple[RequestRecord, bool]:
+        """The record of a request the cache answered, and whether its tokens are charged."""
+        assert state.cached is not None and state.model is not None and state.facts is not None
+        spec = self.config.cache_for(state.facts.rule, state.model)
+        charged = spec is not None and spec.charge_tokens
+        usage = Usage(*usage_of(state.cached))
+        return cache_hit(decision_of(state), usage, state.model.prices, time.time_ns(), charged), charged
 
     def _reserve(self, state: RequestState, facts: BodyFacts) -> tuple[int, int]:
         """Tokens to hold: the input estimate and the predicted output (capped by max_tokens)."""

@@ -33,6 +33,7 @@ import yaml
 from prometheus_client import multiprocess
 
 from extproc import envoyconf
+from extproc.cache.store import CACHE_PATH_ENV
 from extproc.config import LEDGER_PATH_ENV, QUOTA_PATH_ENV, GatewaySpec, load_spec
 from extproc.telemetry.metrics import MULTIPROC_ENV, MetricsServer, prepare_multiprocess_dir, serve_metrics
 
@@ -353,7 +354,8 @@ class ProcessGroup:
 
 def node_state_env(run_dir: Path) -> dict[str, str]:
     """Where a node's extproc workers keep what they share without Redis: quotas and the ledger."""
-    return {QUOTA_PATH_ENV: str(run_dir / "quota.sqlite"), LEDGER_PATH_ENV: str(run_dir / "usage.jsonl")}
+    return {QUOTA_PATH_ENV: str(run_dir / "quota.sqlite"), LEDGER_PATH_ENV: str(run_dir / "usage.jsonl"),
+            CACHE_PATH_ENV: str(run_dir / "cache.sqlite")}
 
 
 def spawn_extproc_workers(group: ProcessGroup, config_path: str | Path, host: str, port: int, count: int,

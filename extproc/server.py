@@ -18,7 +18,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.api import ApiError
-from extproc.decisions import PASS_THROUGH, Admit, Analyze, Classify, Continue, Decision, Effect, Reply, Step
+from extproc.cache.store import ResponseCache
+from extproc.decisions import PASS_THROUGH, Admit, Analyze, Classify, Continue, Decision, Effect, Lookup, Reply, Step
 from extproc.gateway import Gateway
 from extproc.offload import BodyAnalyzer
 from extproc.routing.classifier import IntentClassifier
@@ -38,15 +39,17 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     """The servicer: one ``Process`` stream per HTTP request, until the request is decided."""
 
     def __init__(self, gateway: Gateway, store: QuotaStore | None = None, settlement: Settlement | None = None,
-                 analyzer: BodyAnalyzer | None = None, classifier: IntentClassifier | None = None) -> None:
+                 analyzer: BodyAnalyzer | None = None, classifier: IntentClassifier | None = None,
+                 cache: ResponseCache | None = None) -> None:
         self.gateway = gateway
+        self.cache = cache
         self.store = store or MemoryStore()
         self.settlement = settlement or Settlement(gateway, self.store)
         self.analyzer = analyzer or BodyAnalyzer()
         self.classifier = classifier or IntentClassifier()
         # The effects the gateway may ask for, each run by one coroutine.
         self._effects: dict[type, Callable[[Effect], Awaitable[object]]] = {
-            Analyze: self._analyze, Admit: self._admit, Classify: self._classify}
+            Analyze: self._analyze, Admit: self._admit, Classify: self._classify, Lookup: self._lookup}
 
     async def Process(  # noqa: N802 (the gRPC method name)
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -67,6 +70,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 stage = advance(stage, phase, answered=isinstance(decision, Reply), end_of_stream=end_of_stream)
                 if isinstance(decision, Reply) and state.rejected is not None:
                     self.settlement.rejected(self.gateway.rejection_record(state))
+                elif isinstance(decision, Reply) and state.cached is not None:
+                    self.settlement.cached(*self.gateway.cache_record(state))
                 yield to_response(phase, decision)
                 if stage in _DONE:
                     return  # processing complete: Envoy sends nothing more on this stream
@@ -97,6 +102,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     async def _classify(self, effect: Effect) -> object:
         assert isinstance(effect, Classify)
         return await self.classifier.classify(effect.text)
+
+    async def _lookup(self, effect: Effect) -> object:
+        assert isinstance(effect, Lookup)
+        return await self.cache.lookup(effect.key) if self.cache is not None else None
 
     async def _admit(self, effect: Effect) -> object:
         assert isinstance(effect, Admit)

@@ -16,12 +16,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
-from extproc.accounting import Decision, RequestRecord, ResponseFacts, build_record
+from extproc.accounting import CACHE_MISS, Decision, RequestRecord, ResponseFacts, build_record, micro_dollars
+from extproc.cache.answers import NotCacheable, parse_answer
 from extproc.ledger import LedgerSink, ledger_record, unsettled_record
 from extproc.quota import QuotaStore, StoreUnavailable
 from extproc.quota.limits import Lease
 
 if TYPE_CHECKING:
+    from extproc.cache.store import ResponseCache
     from extproc.gateway import Gateway
     from extproc.telemetry.metrics import GatewayMetrics
 
@@ -42,8 +44,10 @@ class Settlement:
     """Builds each finished request's record once and gives it to every sink."""
 
     def __init__(self, gateway: Gateway, store: QuotaStore, ledger: LedgerSink | None = None,
-                 metrics: GatewayMetrics | None = None, tracer: SpanSink | None = None) -> None:
+                 metrics: GatewayMetrics | None = None, tracer: SpanSink | None = None,
+                 cache: ResponseCache | None = None) -> None:
         self.gateway = gateway
+        self.cache = cache
         self.store = store
         self.ledger = ledger
         self.metrics = metrics
@@ -73,9 +77,45 @@ class Settlement:
         if decision.lease is not None:
             tokens, cost = record.charge()
             self._spawn(self.store.release(decision.lease, tokens, cost))
+        if decision.cache == CACHE_MISS and response.body is not None and self.cache is not None:
+            self._keep(record, response.body)
         self._sinks(record, ledger=True)
         self.settled += 1
         return record
+
+    def cached(self, record: RequestRecord, charged: bool) -> None:
+        """A request the response cache answered: its lease settles with no tokens and no cost
+        (unless the cache charges hits), so it counts against request limits only; then the sinks."""
+        if not self._first(record.id):
+            return
+        lease = record.decision.lease
+        if lease is not None:
+            usage = record.usage
+            tokens = usage.total if charged and usage is not None else 0
+            self._spawn(self.store.release(lease, tokens, micro_dollars(record.cost_usd) if charged else 0))
+        self._sinks(record, ledger=bool(record.decision.tenant))
+
+    def _keep(self, record: RequestRecord, body: bytes) -> None:
+        """Store a miss's complete answer under its key (a cut or failed one is not kept)."""
+        decision = record.decision
+        model = self.gateway.config.lookup(decision.served_model)
+        spec = self.gateway.config.cache_for(decision.rule, model) if model is not None else None
+        if spec is None or record.status != 200 or not record.complete or len(body) > spec.max_entry_bytes:
+            return
+        try:
+            value = parse_answer(decision.path, body, record.streamed)
+        except NotCacheable as error:
+            log.debug("answer of %s not cached: %s", decision.request_id, error)
+            return
+        assert self.cache is not None
+        self._spawn(self._store(bytes.fromhex(decision.cache_key), value, spec.ttl_s, spec.stale_ttl_s))
+
+    async def _store(self, key: bytes, value: bytes, ttl_s: float, stale_ttl_s: float) -> None:
+        assert self.cache is not None
+        try:
+            await self.cache.store(key, value, ttl_s, stale_ttl_s)
+        except Exception as error:  # noqa: BLE001 (an answer not kept is a later miss, not an error)
+            log.warning("response cache store failed: %s", error or type(error).__name__)
 
     def rejected(self, record: RequestRecord) -> None:
         """A request the gateway answered itself: metrics, access log and, for a known tenant, the

@@ -40,6 +40,8 @@ class RequestState:
     lease: Lease | None = None  # a quota admission, settled from the access log (or at a failure)
     settled: bool = False
     rate_headers: Headers = ()
+    cache_key: bytes | None = None  # the response cache's key of a cacheable request
+    cached: bytes | None = None  # the stored answer a hit was answered with
     phases: list[Phase] = field(default_factory=list)
     _origin: int = 0  # perf_counter_ns at started_ns
     _phase_start: int = 0  # perf_counter_ns at the start of the phase being timed

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from extproc.accounting import Decision
+from extproc.accounting import CACHE_HIT, CACHE_MISS, Decision
 from extproc.api import ApiError
 from extproc.body import BodyFacts
 from extproc.config import Pool
@@ -39,6 +39,7 @@ RULE_INTENTS = "intents"  # no rule matched: semantic routing (the client named 
 # the client. x-llmgw-* from a client is stripped first, so it cannot be forged.
 STRIP_USAGE_HEADER = "x-llmgw-strip-usage"
 METADATA_NAMESPACE = "llmgw"
+CACHE_HEADER = "x-llmgw-cache"  # hit (the gateway answered from its cache), miss (the pod's answer is stored)
 
 
 class Router:
@@ -88,6 +89,8 @@ class Router:
             set_headers.append(("authorization", f"Bearer {pool.credential}"))
         if facts.strip_usage:  # exact usage for the ledger; Envoy's Lua filter drops the chunk
             set_headers.append((STRIP_USAGE_HEADER, "1"))
+        if state.cache_key is not None:  # Envoy's Lua filter keeps the answer for the cache; copied to the client
+            set_headers.append((CACHE_HEADER, CACHE_MISS))
         new_body, state.new_body = state.new_body, None
         if new_body is not None:
             set_headers.append(("content-length", str(len(new_body))))
@@ -182,7 +185,9 @@ def decision_of(state: RequestState, endpoint: str = "") -> Decision:
         trace_id=trace.trace_id if trace else "", span_id=trace.span_id if trace else "",
         parent_span_id=(trace.parent_span_id or "") if trace else "", sampled=state.sampled,
         lease=state.lease, phases=tuple(state.phases), intent=facts.intent if facts is not None else "",
-        score=facts.score if facts is not None else None)
+        score=facts.score if facts is not None else None,
+        cache="" if state.cache_key is None else CACHE_HIT if state.cached is not None else CACHE_MISS,
+        cache_key=state.cache_key.hex() if state.cache_key is not None and state.cached is None else "")
 
 
 def _rule_of(facts: BodyFacts) -> str:

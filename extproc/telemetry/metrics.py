@@ -20,8 +20,9 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client import multiprocess
 
+from extproc.cache.store import CacheCounters
 from extproc.ledger import LedgerSink, RedisLedger
-from extproc.accounting import REJECTED, RequestRecord
+from extproc.accounting import CACHED, REJECTED, RequestRecord
 from extproc.quota import FallbackStats
 from extproc.routing.classifier import ClassifierStats
 
@@ -79,6 +80,11 @@ class GatewayMetrics:
                                      registry=self.registry)
         self.pods_known = Gauge("llmgw_picker_pods_known", "Pods whose scraped state is fresh (the rest count "
                                 "as unknown to the picker)", registry=self.registry, multiprocess_mode="max")
+        self.cache = Counter("llmgw_cache_lookups", "Response cache lookups: hit, miss (the store had no fresh "
+                             "entry), filtered (the Bloom filter knew the key does not exist: no round trip), "
+                             "error (the store failed: a miss)", ("outcome",), registry=self.registry)
+        self.cache_stored = Counter("llmgw_cache_stored", "Answers stored in the response cache", registry=self.registry)
+        self._cache_seen: dict[str, int] = {}
         self._seen = FallbackStats()
         self._dropped = 0
         self._outcomes: dict[str, int] = {}
@@ -90,7 +96,8 @@ class GatewayMetrics:
             self.rejections.labels(str(record.status), record.error or "").inc()
             return
         d = record.decision
-        self.routing.labels(d.pool, d.rule, d.intent).inc()
+        if record.kind != CACHED:  # a hit was never forwarded
+            self.routing.labels(d.pool, d.rule, d.intent).inc()
         labels = (record.operation, d.served_model or "unknown", d.tenant)
         self.duration.labels(*labels, str(record.status)).observe(record.duration_ms / 1000)
         if record.ttft_ms is not None and d.stream:
@@ -105,9 +112,16 @@ class GatewayMetrics:
                 self.estimated.labels(labels[1]).inc()
 
     def sync(self, stats: FallbackStats | None, ledger: LedgerSink | None,
-             classifier: ClassifierStats | None = None, pods_known: int | None = None) -> None:
-        """Copy the quota store's, the ledger's and semantic routing's own counters, and how many
-        pods the picker knows (called once a second)."""
+             classifier: ClassifierStats | None = None, pods_known: int | None = None,
+             cache: CacheCounters | None = None) -> None:
+        """Copy the quota store's, the ledger's, semantic routing's and the response cache's own
+        counters, and how many pods the picker knows (called once a second)."""
+        if cache is not None:
+            for outcome, count in (("hit", cache.hits), ("miss", cache.misses), ("filtered", cache.filtered),
+                                   ("error", cache.errors), ("stored", cache.stored)):
+                metric = self.cache_stored if outcome == "stored" else self.cache.labels(outcome)
+                metric.inc(count - self._cache_seen.get(outcome, 0))
+                self._cache_seen[outcome] = count
         if classifier is not None:
             for outcome, count in classifier.outcomes.items():
                 self.intents.labels(outcome).inc(count - self._outcomes.get(outcome, 0))

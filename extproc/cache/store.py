@@ -1,0 +1,254 @@
+"""The response cache: stored answers in Redis (or the node's SQLite file), behind a Bloom filter.
+
+Penetration guard: every process keeps a Bloom filter (m = 1 MiB, k = 3) of the keys that
+exist. A lookup for a key the filter has never seen is a miss without a round trip to the store:
+a flood of never-seen prompts never reaches Redis. The filter stays correct across processes and
+replicas because every store is announced: a Redis Stream (``llmgw:rc:added``, capped) that each
+process tails, or, without Redis, the SQLite table's rowids. At start a process fills its filter
+from the store (a SCAN, or the table) before it tails, and reads the stream's position first, so
+a key stored meanwhile is not lost. A Bloom filter forgets nothing: expired keys stay in it as
+false positives (one wasted round trip each) until the process restarts.
+
+Each entry is kept ``ttl_s + stale_ttl_s`` and carries the time it stops being fresh: a fresh
+lookup ignores a stale copy, which stays for the fallback path (``stale``). Values are the
+compact JSON of ``extproc.cache.answers``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from extproc.cache.filters import BloomFilter
+
+log = logging.getLogger("llmgw.cache")
+CACHE_PATH_ENV = "LLMGW_CACHE_PATH"
+_FRESH = struct.Struct(">Q")  # fresh-until, epoch milliseconds, before the stored answer
+
+
+class CacheBackend(Protocol):
+    """Where entries live. ``get`` returns (value, fresh-until in epoch ms) or None."""
+
+    async def get(self, key: bytes) -> tuple[bytes, int] | None:
+        """The entry under ``key``."""
+        ...
+
+    async def put(self, key: bytes, value: bytes, fresh_until_ms: int, keep_ms: int) -> None:
+        """Store an entry for ``keep_ms`` and announce its key."""
+        ...
+
+    async def known(self) -> list[bytes]:
+        """Every key stored now; the announcements after this call are ``added`` from here on."""
+        ...
+
+    async def added(self) -> list[bytes]:
+        """Keys announced since the last call (may wait up to a second for one)."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections."""
+        ...
+
+
+@dataclass
+class CacheCounters:
+    """What the cache did, for the metrics."""
+
+    filtered: int = 0  # misses the Bloom filter answered (no round trip)
+    misses: int = 0  # misses the store answered (a Bloom false positive, or an expired entry)
+    hits: int = 0
+    stored: int = 0
+    errors: int = 0  # the store failed: a miss
+
+
+class ResponseCache:
+    """Lookups through the Bloom filter, stores announced to every process."""
+
+    def __init__(self, backend: CacheBackend, bloom: BloomFilter | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.backend = backend
+        self.bloom = bloom or BloomFilter()
+        self.counters = CacheCounters()
+        self._clock = clock
+        self.ready = asyncio.Event()  # the filter holds every key stored before the process started
+
+    async def lookup(self, key: bytes) -> bytes | None:
+        """A fresh stored answer, or None (a miss: never an exception, a failing store is a miss)."""
+        if key not in self.bloom and self.ready.is_set():
+            self.counters.filtered += 1
+            return None
+        try:
+            entry = await self.backend.get(key)
+        except Exception as error:  # noqa: BLE001 (a cache that fails is a miss, logged)
+            self.counters.errors += 1
+            log.warning("response cache lookup failed: %s", error or type(error).__name__)
+            return None
+        if entry is None or entry[1] <= self._clock() * 1000:
+            self.counters.misses += 1
+            return None
+        self.counters.hits += 1
+        return entry[0]
+
+    async def stale(self, key: bytes) -> bytes | None:
+        """A stored answer, fresh or not (the fallback path's last resort)."""
+        if key not in self.bloom and self.ready.is_set():
+            return None
+        try:
+            entry = await self.backend.get(key)
+        except Exception:  # noqa: BLE001 (the caller answers 503 instead)
+            return None
+        return None if entry is None else entry[0]
+
+    async def store(self, key: bytes, value: bytes, ttl_s: float, stale_ttl_s: float) -> None:
+        """Keep ``value`` fresh for ``ttl_s``, then stale for ``stale_ttl_s`` more."""
+        now_ms = int(self._clock() * 1000)
+        await self.backend.put(key, value, now_ms + int(ttl_s * 1000), int((ttl_s + stale_ttl_s) * 1000))
+        self.bloom.add(key)
+        self.counters.stored += 1
+
+    async def follow(self) -> None:
+        """Fill the filter with the keys stored so far, then add each one announced, forever."""
+        while not self.ready.is_set():
+            try:
+                self.bloom.add_many(await self.backend.known())
+                self.ready.set()
+                log.info("response cache: %d keys known", self.bloom.count)
+            except Exception as error:  # noqa: BLE001 (lookups go to the store until the filter is filled)
+                log.warning("response cache: cannot read the stored keys yet: %s", error or type(error).__name__)
+                await asyncio.sleep(1.0)
+        while True:
+            try:
+                self.bloom.add_many(await self.backend.added())
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # noqa: BLE001 (a gap: those keys are misses until announced again)
+                log.warning("response cache: announcements interrupted: %s", error or type(error).__name__)
+                await asyncio.sleep(1.0)
+
+
+# -- Redis -----------------------------------------------------------------------------------------
+
+ENTRY_PREFIX = b"llmgw:rc:e:"
+ADDED_STREAM = b"llmgw:rc:added"
+ADDED_MAXLEN = 1_000_000  # announcements kept: far more than a process can fall behind
+
+
+class RedisBackend:
+    """Entries as strings with a TTL; announcements on a capped stream. Lookups share the quota
+    path's pipelined connection style (one connection, hiredis); the scan and the tail use redis-py."""
+
+    def __init__(self, url: str, timeout_s: float = 0.5) -> None:
+        from redis import asyncio as aioredis
+
+        from extproc.quota.resp import PipelinedConnection
+
+        self._fast = PipelinedConnection(url, timeout_s=timeout_s)
+        self._slow = aioredis.Redis.from_url(url, socket_timeout=5.0)
+        self._last_id = b"$"
+
+    async def get(self, key: bytes) -> tuple[bytes, int] | None:
+        """See ``CacheBackend.get``."""
+        value = await self._fast.call(b"GET", ENTRY_PREFIX + key)
+        if value is None or len(value) < _FRESH.size:
+            return None
+        return value[_FRESH.size:], _FRESH.unpack_from(value)[0]
+
+    async def put(self, key: bytes, value: bytes, fresh_until_ms: int, keep_ms: int) -> None:
+        """See ``CacheBackend.put``."""
+        await asyncio.gather(
+            self._fast.call(b"SET", ENTRY_PREFIX + key, _FRESH.pack(fresh_until_ms) + value, b"PX", keep_ms),
+            self._fast.call(b"XADD", ADDED_STREAM, b"MAXLEN", b"~", ADDED_MAXLEN, b"*", b"k", key))
+
+    async def known(self) -> list[bytes]:
+        """See ``CacheBackend.known``: the stream's position first, then a SCAN."""
+        newest = await self._slow.xrevrange(ADDED_STREAM, count=1)
+        self._last_id = newest[0][0] if newest else b"0-0"
+        keys = []
+        async for name in self._slow.scan_iter(match=ENTRY_PREFIX + b"*", count=1000):
+            keys.append(bytes(name)[len(ENTRY_PREFIX):])
+        return keys
+
+    async def added(self) -> list[bytes]:
+        """See ``CacheBackend.added``: XREAD, blocking up to a second."""
+        reply = await self._slow.xread({ADDED_STREAM: self._last_id}, count=1000, block=1000)
+        keys = []
+        for _, entries in reply or ():
+            for entry_id, fields in entries:
+                self._last_id = entry_id
+                if b"k" in fields:
+                    keys.append(fields[b"k"])
+        return keys
+
+    async def close(self) -> None:
+        """See ``CacheBackend.close``."""
+        await self._slow.aclose()
+
+
+# -- SQLite (no Redis) -------------------------------------------------------------------------------
+
+# AUTOINCREMENT: a sequence number is never reused, even after the newest entry is purged.
+_SCHEMA = """CREATE TABLE IF NOT EXISTS entry (seq INTEGER PRIMARY KEY AUTOINCREMENT, key BLOB NOT NULL UNIQUE,
+    value BLOB NOT NULL, fresh_until INTEGER NOT NULL, expires INTEGER NOT NULL)"""
+POLL_S = 0.2  # how often a process looks for keys its neighbours stored
+PURGE_S = 60.0
+
+
+class SqliteBackend:
+    """Entries in a SQLite file shared by the node's workers (``:memory:`` without a path: this
+    process alone); a replaced entry gets a new sequence number, so they order the announcements."""
+
+    def __init__(self, path: str | Path | None = None, clock: Callable[[], float] = time.time) -> None:
+        from extproc.quota.memory import _use_wal
+
+        self._db = sqlite3.connect(":memory:" if path is None else str(path), timeout=5.0, isolation_level=None)
+        if path is not None:
+            _use_wal(self._db, 5.0)
+        self._db.execute("PRAGMA synchronous=OFF")
+        self._db.execute(_SCHEMA)
+        self._clock = clock
+        self._seq = 0
+        self._purged = 0.0
+
+    async def get(self, key: bytes) -> tuple[bytes, int] | None:
+        """See ``CacheBackend.get``."""
+        row = self._db.execute("SELECT value, fresh_until FROM entry WHERE key=? AND expires>?",
+                               (key, int(self._clock() * 1000))).fetchone()
+        return None if row is None else (bytes(row[0]), int(row[1]))
+
+    async def put(self, key: bytes, value: bytes, fresh_until_ms: int, keep_ms: int) -> None:
+        """See ``CacheBackend.put``."""
+        now_ms = int(self._clock() * 1000)
+        self._db.execute("INSERT OR REPLACE INTO entry (key, value, fresh_until, expires) VALUES (?, ?, ?, ?)",
+                         (key, value, fresh_until_ms, now_ms + keep_ms))
+
+    async def known(self) -> list[bytes]:
+        """See ``CacheBackend.known``."""
+        return self._since()
+
+    async def added(self) -> list[bytes]:
+        """See ``CacheBackend.added``: polls the table."""
+        keys = self._since()
+        if not keys:
+            await asyncio.sleep(POLL_S)
+        now = self._clock()
+        if now - self._purged > PURGE_S:
+            self._purged = now
+            self._db.execute("DELETE FROM entry WHERE expires<=?", (int(now * 1000),))
+        return keys
+
+    def _since(self) -> list[bytes]:
+        rows = self._db.execute("SELECT seq, key FROM entry WHERE seq>? ORDER BY seq", (self._seq,)).fetchall()
+        if rows:
+            self._seq = rows[-1][0]
+        return [bytes(key) for _, key in rows]
+
+    async def close(self) -> None:
+        """See ``CacheBackend.close``."""
+        self._db.close()

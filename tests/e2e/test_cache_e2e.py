@@ -1,0 +1,104 @@
+"""End to end: the response cache through Envoy with the openai client. A deterministic request's
+answer is kept from the pod's response (Envoy's Lua filter hands it over in the access-log
+entry) and answered again by the gateway, JSON or streamed as the client asks, per tenant; a hit
+counts against the tenant's request limit and not its tokens, and goes to the ledger."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterator
+
+import openai
+import orjson
+import pytest
+
+from extproc.launcher import StackInfo
+from tests.e2e.conftest import MODEL, small_stack
+
+KEY_A, KEY_B = "sk-cache-tenant-a", "sk-cache-tenant-b"
+CONFIG = {
+    "models": [{"name": MODEL, "pool": "local", "cache": {"ttl_s": 300}}],
+    "tenants": [
+        {"name": "cache-a", "keys": [{"sha256": hashlib.sha256(KEY_A.encode()).hexdigest()}],
+         "limits": {"rpm": 1000, "tpm": 1_000_000}},
+        {"name": "cache-b", "keys": [{"sha256": hashlib.sha256(KEY_B.encode()).hexdigest()}]},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def cached(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
+    # Two workers: the answer is stored by whichever settles the miss, and found by either.
+    with small_stack(tmp_path_factory, "cache", pods=1, extra_config=CONFIG, workers=2,
+                     sim_args=("--seed", "3")) as info:
+        yield info
+
+
+def _client(info: StackInfo, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{info.base_url}/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def _ask(info: StackInfo, key: str, text: str, **extra: object) -> tuple[dict[str, str], object]:
+    raw = _client(info, key).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=12, temperature=0, **extra)
+    parsed = raw.parse()
+    return dict(raw.headers), (list(parsed) if extra.get("stream") else parsed)
+
+
+def _until_hit(info: StackInfo, key: str, text: str, **extra: object) -> tuple[dict[str, str], object]:
+    """The answer is stored once its access-log entry is settled: ask until the cache answers."""
+    deadline = time.monotonic() + 20
+    while True:
+        headers, answer = _ask(info, key, text, **extra)
+        if headers.get("x-llmgw-cache") == "hit" or time.monotonic() > deadline:
+            return headers, answer
+
+
+def test_a_deterministic_answer_comes_back_from_the_cache_as_json_or_streamed(cached: StackInfo) -> None:
+    text = "cache me: what is the boiling point of water?"
+    headers, first = _ask(cached, KEY_A, text)
+    assert headers["x-llmgw-cache"] == "miss"
+    headers, again = _until_hit(cached, KEY_A, text)
+    assert headers["x-llmgw-cache"] == "hit"
+    assert again.choices[0].message.content == first.choices[0].message.content  # type: ignore[attr-defined]
+    assert again.choices[0].finish_reason == first.choices[0].finish_reason  # type: ignore[attr-defined]
+    assert again.usage.completion_tokens == first.usage.completion_tokens  # type: ignore[attr-defined]
+    assert again.id != first.id  # type: ignore[attr-defined]
+    headers, chunks = _ask(cached, KEY_A, text, stream=True, stream_options={"include_usage": True})
+    assert headers["x-llmgw-cache"] == "hit" and headers["content-type"].startswith("text/event-stream")
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)  # type: ignore[union-attr]
+    assert streamed == first.choices[0].message.content  # type: ignore[attr-defined]
+    assert chunks[-1].usage.completion_tokens == first.usage.completion_tokens  # type: ignore[union-attr]
+
+
+def test_one_tenant_never_gets_anothers_answer(cached: StackInfo) -> None:
+    text = "cache me: name a prime number"
+    _ask(cached, KEY_A, text)
+    assert _until_hit(cached, KEY_A, text)[0]["x-llmgw-cache"] == "hit"
+    assert _ask(cached, KEY_B, text)[0]["x-llmgw-cache"] == "miss"
+
+
+def test_sampled_requests_are_not_cached(cached: StackInfo) -> None:
+    raw = _client(cached, KEY_A).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "cache me not"}], max_tokens=4, temperature=0.8)
+    assert "x-llmgw-cache" not in raw.headers
+
+
+def test_a_hit_counts_against_requests_not_tokens_and_reaches_the_ledger(cached: StackInfo) -> None:
+    text = "cache me: how many legs does a spider have?"
+    _ask(cached, KEY_A, text)
+    _until_hit(cached, KEY_A, text)
+    before, _ = _ask(cached, KEY_A, text)
+    after, _ = _ask(cached, KEY_A, text)
+    assert before["x-llmgw-cache"] == after["x-llmgw-cache"] == "hit"
+    assert int(after["x-ratelimit-remaining-requests"]) < int(before["x-ratelimit-remaining-requests"])
+    ledger = cached.config_path.parent / "usage.jsonl"  # the node's ledger without Redis
+    deadline = time.monotonic() + 10
+    while True:
+        records = [orjson.loads(line) for line in ledger.read_bytes().splitlines() if line.strip()]
+        hits = [r for r in records if r.get("kind") == "cached" and r.get("tenant") == "cache-a"]
+        if hits or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert hits and all(r["cost_usd"] == 0 and r["status"] == 200 and r["output_tokens"] > 0 for r in hits)
