@@ -89,14 +89,16 @@ def test_a_key_added_in_redis_works_and_its_revocation_bites_within_seconds(redi
     assert _statuses(stack.base_url, key, 2) == {401: 2}
     added = _llmgw_keys(redis, "add", "--tenant", "keyed", "--key", key)
     assert key not in added.stdout + added.stderr  # a key given by the caller is never printed
-    took = _until(lambda: _statuses(stack.base_url, key) == {200: 8})
-    assert took < 3.0
+    # Keys are polled every second (keys.poll_s); a round of 8 probes takes a while on a loaded
+    # machine (CI once took 3.2 s), so "within seconds" is checked with room to spare.
+    took = _until(lambda: _statuses(stack.base_url, key) == {200: 8}, timeout_s=10.0)
+    assert took < 6.0
     client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0)
     reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert reply.usage is not None and reply.usage.completion_tokens <= 3
     _llmgw_keys(redis, "revoke", "--key", key)
-    took = _until(lambda: _statuses(stack.base_url, key) == {401: 8})
-    assert took < 3.0
+    took = _until(lambda: _statuses(stack.base_url, key) == {401: 8}, timeout_s=10.0)
+    assert took < 6.0
     with pytest.raises(openai.AuthenticationError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
 
