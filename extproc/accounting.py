@@ -25,7 +25,7 @@ from extproc.quota.limits import Lease
 NAMESPACE = "llmgw"  # extproc's decision (ext_proc metadata_options.receiving_namespaces)
 RESPONSE_NAMESPACE = "llmgw.response"  # what the Lua filter read from the response
 SERVED, REJECTED, CACHED = "served", "rejected", "cached"  # CACHED: the response cache answered it
-CACHE_HIT, CACHE_MISS = "hit", "miss"
+CACHE_HIT, CACHE_MISS, CACHE_STALE = "hit", "miss", "stale"
 UNSETTLED = "unsettled"  # forwarded, but its access-log entry never came
 # Usage provenance: the pod's usage object, counted by the gateway, or none at all.
 USAGE_REPORTED, USAGE_ESTIMATED, USAGE_NONE = "reported", "estimated", "none"
@@ -72,6 +72,7 @@ class Decision:
     score: float | None = None  # its cosine similarity
     cache: str = ""  # the response cache's answer: hit, miss (the pod's answer is stored), "" (not cacheable)
     cache_key: str = ""  # the cache key (hex) of a miss, under which its answer is stored
+    fallback_from: str = ""  # the model it was asked of, whose pool's breaker was open
 
     def metadata(self) -> dict[str, object]:
         """The decision as a JSON-able mapping for ``ProcessingResponse.dynamic_metadata``."""
@@ -97,6 +98,8 @@ class Decision:
             out["cache"] = self.cache
         if self.cache_key:
             out["cache_key"] = self.cache_key
+        if self.fallback_from:
+            out["fallback_from"] = self.fallback_from
         if self.lease is not None:
             lease = self.lease
             out["lease"] = {"tenant": lease.tenant, "qos": lease.qos, "id": lease.lease_id,
@@ -129,6 +132,7 @@ class Decision:
                 parent_span_id=str(data.get("parent_span_id", "")), sampled=bool(data.get("sampled", False)),
                 lease=lease, phases=phases, intent=str(data.get("intent", "")),
                 cache=str(data.get("cache", "")), cache_key=str(data.get("cache_key", "")),
+                fallback_from=str(data.get("fallback_from", "")),
                 score=float(score) if isinstance(score, (int, float)) and not isinstance(score, bool) else None)
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"not a gateway decision: {error}") from error
@@ -237,6 +241,14 @@ class RequestRecord:
     def usage_estimated(self) -> bool:
         """The gateway counted the usage itself (the pod reported none)."""
         return self.usage_source == USAGE_ESTIMATED
+
+    @property
+    def pod_failed(self) -> bool | None:
+        """What the circuit breakers count: True for a pod's 5xx or 429, a reset, a refused
+        connection or a timeout; False for an answer; None when the client went away first."""
+        if self.status == 0 or "DC" in self.flags.split(","):
+            return None if self.status == 0 or self.status < 500 else True
+        return self.status == 429 or self.status >= 500
 
     @property
     def complete(self) -> bool:

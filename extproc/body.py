@@ -168,6 +168,13 @@ def with_model(body: bytes, model: str) -> bytes:
     return field + b"}" if body == b"{}" else field + b"," + body[1:]
 
 
+def with_served_model(body: bytes, model: str) -> bytes:
+    """A valid body with its model replaced (a fallback model serves it)."""
+    raw = orjson.loads(body)
+    raw["model"] = model
+    return orjson.dumps(raw)
+
+
 _PER_CALL_FIELDS = ("tools", "functions", "response_format", "logprobs", "top_logprobs", "echo", "best_of",
                     "suffix", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "logit_bias")
 

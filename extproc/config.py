@@ -168,6 +168,19 @@ class ResponseCacheSpec(_Strict):
     local_path: str | None = None  # SQLite file shared by this node's workers without Redis (else LLMGW_CACHE_PATH)
 
 
+class BreakerSpec(_Strict):
+    """Circuit breakers of every pod and pool (``extproc.routing.breaker``): open at a failure
+    ratio over a rolling window of at least ``min_requests``, closed again by ``probes`` successes
+    after ``open_s``."""
+
+    enabled: bool = True
+    window_s: Annotated[int, Field(ge=1, le=3600)] = 60
+    failure_ratio: Annotated[float, Field(gt=0, le=1)] = 0.6
+    min_requests: Annotated[int, Field(ge=1)] = 20
+    open_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    probes: Annotated[int, Field(ge=1, le=1000)] = 3
+
+
 class PoolSpec(_Strict):
     """A set of interchangeable inference pods serving the same models."""
 
@@ -231,6 +244,9 @@ class ModelSpec(_Strict):
     # pods that have it loaded, or room to load it.
     lora: bool = False
     cache: CacheSpec | None = None  # cache this model's deterministic answers (a rule's own cache wins)
+    # Models to serve this model's requests, in order, while its pool's breaker is open (or its
+    # pods refuse them: 429/503): lighter models, typically.
+    fallback: list[str] = Field(default_factory=list)
 
 
 class KeySpec(_Strict):
@@ -509,6 +525,7 @@ class GatewaySpec(_Strict):
     endpoint_picker: EndpointPickerSpec = Field(default_factory=EndpointPickerSpec)
     intents: IntentsSpec | None = None
     response_cache: ResponseCacheSpec = Field(default_factory=ResponseCacheSpec)
+    breakers: BreakerSpec = Field(default_factory=BreakerSpec)
 
     @model_validator(mode="after")
     def _cross_references(self) -> GatewaySpec:
@@ -526,6 +543,10 @@ class GatewaySpec(_Strict):
                 seen[name] = where
         _no_duplicates("routes", [r.name for r in self.routes])
         served = {m.name for m in self.models}
+        for i, model in enumerate(self.models):
+            for j, name in enumerate(model.fallback):
+                if name not in served or name == model.name:
+                    raise ValueError(f"models[{i}].fallback[{j}]: {name!r} is not another model's name")
         for i, route in enumerate(self.routes):
             if route.model not in served:
                 raise ValueError(f"routes[{i}].model: {route.model!r} is not a model's name (aliases are not served)")
@@ -592,6 +613,7 @@ class Model:
     lora: bool = False
     chat_template: JinjaChatTemplate | None = None  # None: ChatML
     cache: CacheSpec | None = None
+    fallback: tuple[str, ...] = ()  # models serving its requests while its pool cannot
 
 
 @dataclass(frozen=True, slots=True)
@@ -672,6 +694,7 @@ class GatewayConfig:
     intents: Intents | None = None
     route_caches: dict[str, CacheSpec] = field(default_factory=dict)  # routing rule name -> its cache
     response_cache: ResponseCacheSpec = field(default_factory=ResponseCacheSpec)
+    breakers: BreakerSpec = field(default_factory=BreakerSpec)
 
     @property
     def caches(self) -> bool:
@@ -742,7 +765,7 @@ def compile_spec(spec: GatewaySpec, *, env: dict[str, str] | os._Environ[str]) -
     models = tuple(
         Model(m.name, pools[m.pool], tuple(m.aliases), m.owned_by, m.max_model_len, Prices(**m.price.model_dump()),
               _tokenizer_path(m.tokenizer, f"models[{i}].tokenizer"), m.version, m.lora,
-              _chat_template(m.chat_template, f"models[{i}].chat_template", templates), m.cache)
+              _chat_template(m.chat_template, f"models[{i}].chat_template", templates), m.cache, tuple(m.fallback))
         for i, m in enumerate(spec.models)
     )
     by_name = {name: model for model in models for name in (model.name, *model.aliases)}
@@ -756,7 +779,8 @@ def compile_spec(spec: GatewaySpec, *, env: dict[str, str] | os._Environ[str]) -
                          keys, tenants, bool(spec.tenants), spec.quota, spec.keys,
                          _compile_tracing(spec.tracing, env), _compile_rules(spec, by_name), spec.endpoint_picker,
                          _compile_intents(spec.intents, by_name, env),
-                         {r.name: r.cache for r in spec.routes if r.cache is not None}, spec.response_cache)
+                         {r.name: r.cache for r in spec.routes if r.cache is not None}, spec.response_cache,
+                         spec.breakers)
 
 
 def _compile_rules(spec: GatewaySpec, models: dict[str, Model]) -> tuple[Rule, ...]:

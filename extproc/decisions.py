@@ -89,6 +89,7 @@ class Lookup:
     then its store), then hand the stored answer (None: a miss) to ``Gateway.resume``."""
 
     key: bytes
+    stale: bool = False  # no pod can answer: a stale copy will do (the fallback chain's last resort)
 
 
 Decision = Continue | Reply

@@ -12,6 +12,7 @@ against the quota store); the shell runs it and hands the result to ``resume``.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import replace
@@ -21,12 +22,12 @@ from typing import Protocol
 import orjson
 
 from extproc import validation
-from extproc.accounting import CACHE_HIT, RequestRecord, Usage, cache_hit, micro_dollars, rejection
+from extproc.accounting import CACHE_HIT, CACHE_STALE, RequestRecord, Usage, cache_hit, micro_dollars, rejection
 from extproc.api import OPERATIONS_BY_PATH, ApiError
 from extproc.auth import CHALLENGE, UNAUTHORIZED, authenticate
-from extproc.body import NO_RULES, BodyFacts, BodyLimits, Routing, analyze, with_model
+from extproc.body import NO_RULES, BodyFacts, BodyLimits, Routing, analyze, with_model, with_served_model
 from extproc.catalog import model_card, models_list
-from extproc.config import GatewayConfig
+from extproc.config import GatewayConfig, Model, Pool
 from extproc.cache.answers import cache_key, render, usage_of
 from extproc.decisions import Admit, Analyze, Classify, Continue, Decision, Effect, Headers, Lookup, Reply, Step
 from extproc.keys import KeySnapshot
@@ -36,6 +37,7 @@ from extproc.quota.limits import Admission, Lease
 from extproc.quota.limits import Decision as QuotaVerdict
 from extproc.quota.replies import UNAVAILABLE, refusal
 from extproc.quota.store import StoreUnavailable
+from extproc.routing.breaker import Breakers, BreakerSettings
 from extproc.routing.decision import CACHE_HEADER, Router, decision_of
 from extproc.routing.health import EndpointHealth
 from extproc.routing.picker import EndpointPicker
@@ -65,7 +67,8 @@ class Gateway:
     def __init__(self, config: GatewayConfig, picker: EndpointPicker, new_id: IdSource = random_hex,
                  predictor: OutputLengthPredictor | None = None,
                  health: EndpointHealth | None = None, sampler: TraceSampler | None = None) -> None:
-        self.router = Router(picker, health or EndpointHealth())
+        self.breakers = Breakers()
+        self.router = Router(picker, health or EndpointHealth(), breakers=self.breakers)
         self.health = self.router.health
         self._new_id = new_id
         self._sampler = sampler  # None: tracing off, no span exported
@@ -90,6 +93,11 @@ class Gateway:
         self._limits = BodyLimits(**config.server.limits.model_dump())
         self.router.forget_after_s = config.quota.lease_ttl_s * 2
         self.router.coordinator = config.server.coordinator
+        spec = config.breakers
+        settings = BreakerSettings(spec.window_s, spec.failure_ratio, spec.min_requests, spec.open_s, spec.probes)
+        if settings != self.breakers.settings:  # new settings: breakers start afresh
+            self.breakers.reset(settings)
+        self.router.breakers = self.breakers if spec.enabled else None
         self._prefix_blocks = config.prefix_blocks
         intents = config.intents
         self._intents = (intents.model_name, *intents.default, intents.max_chars) if intents is not None else None
@@ -153,6 +161,7 @@ class Gateway:
         loop and hand the result back (``resume``)."""
         assert state.operation is not None, "the phase table lets a body in only after POST headers"
         state.begin()
+        state.body = body
         if len(body) > self.config.max_body_bytes:
             return self._reject(state, validation.too_large(len(body), self.config.max_body_bytes))
         routing = Routing(self.config.rules, state.tenant.tags if state.tenant else (), state.qos,
@@ -180,7 +189,7 @@ class Gateway:
         if isinstance(effect, Classify):
             return self._classified(state, result)
         if isinstance(effect, Lookup):
-            return self._looked_up(state, result)
+            return self._looked_up(state, effect, result)
         if isinstance(result, StoreUnavailable):
             # The quota store is down and the config says fail closed.
             return self._reject(state, UNAVAILABLE, (("retry-after", "1"),))
@@ -227,6 +236,15 @@ class Gateway:
                 param="model", code="model_not_found"))
         state.model = model
         pool = state.pool = self.config.pools[facts.pool] if facts.pool else model.pool
+        if self.config.breakers.enabled and not self.breakers.pool(pool.name).allows(time.monotonic()):
+            alternative = self._fallback(state, model)
+            if alternative is None:
+                return self._unavailable(state, pool)
+            model, pool = state.model, state.pool = alternative
+            facts = state.facts = replace(facts, served=model.name, pool=pool.name)
+            body = state.new_body or state.body
+            assert body is not None
+            state.new_body = with_served_model(body, model.name)
         if pool.shed and (overloaded := self.router.shed(pool, state.qos)) is not None:
             state.new_body = None
             return self._reject(state, overloaded, (("retry-after", "1"),))
@@ -240,6 +258,36 @@ class Gateway:
         admission = Admission(tenant=state.tenant.name, lease_id=state.id, qos=state.qos,
                               reserve_tokens=state.reserved_tokens, reserve_cost=state.reserved_cost)
         return Admit(admission, quota)
+
+    def _fallback(self, state: RequestState, model: Model) -> tuple[Model, Pool] | None:
+        """The first model of ``model``'s fallback chain whose pool's breaker lets a request through."""
+        now = time.monotonic()
+        for name in model.fallback:
+            alternative = self.config.models_by_name[name]
+            if self.breakers.pool(alternative.pool.name).allows(now):
+                state.fallback_from = model.name
+                return alternative, alternative.pool
+        return None
+
+    def _unavailable(self, state: RequestState, pool: Pool) -> Step:
+        """No pool can serve the request: a stale copy of its answer if the cache has one, else 503."""
+        facts, model = state.facts, state.model
+        assert facts is not None and model is not None
+        spec = self.config.cache_for(facts.rule, model) if facts.answer_digest is not None else None
+        if spec is not None:
+            partition = state.tenant.name if spec.partition == "tenant" and state.tenant is not None else ""
+            state.cache_key = cache_key(facts.answer_digest, model.name, model.version, partition)  # type: ignore[arg-type]
+            return Lookup(state.cache_key, stale=True)
+        return self._no_pool(state, pool)
+
+    def _no_pool(self, state: RequestState, pool: Pool) -> Reply:
+        state.new_body = None
+        breaker = self.breakers.pool(pool.name)
+        wait = max(1, math.ceil(breaker.opened_at + breaker.settings.open_s - time.monotonic()))
+        return self._reject(state, ApiError(
+            503, f"The pool serving this model is failing (its circuit breaker is open), and so is every "
+                 f"fallback: try again in {wait} s.", type="server_error", code="pool_unavailable"),
+            (("retry-after", str(wait)),))
 
     def _admitted(self, state: RequestState, verdict: QuotaVerdict) -> Decision:
         """The quota store's verdict: route the request, or answer 429/402 naming the limit."""
@@ -263,18 +311,23 @@ class Gateway:
         state.cache_key = cache_key(facts.answer_digest, model.name, model.version, partition)  # type: ignore[arg-type]
         return Lookup(state.cache_key)
 
-    def _looked_up(self, state: RequestState, stored: object) -> Decision:
+    def _looked_up(self, state: RequestState, effect: Lookup, stored: object) -> Decision:
         """The cache's answer: a hit is answered here, in the shape the client asked for; a miss
         (or a cache that failed: ``stored`` is then the exception) is routed, and its answer stored."""
         state.end("cache")
+        stale = isinstance(effect, Lookup) and effect.stale
         if not isinstance(stored, bytes):
+            if stale:
+                assert state.pool is not None
+                state.cache_key = None
+                return self._no_pool(state, state.pool)
             return self.router.route(state, QOS_HEADER)
         facts = state.facts
         assert facts is not None
-        state.cached, state.new_body = stored, None
+        state.cached, state.cache_stale, state.new_body = stored, stale, None
         body, content_type = render(stored, facts.model, facts.stream, include_usage=not facts.strip_usage)
-        return Reply(200, body, (("content-type", content_type), (CACHE_HEADER, CACHE_HIT), *state.identity_headers(),
-                                 *state.rate_headers))
+        return Reply(200, body, (("content-type", content_type), (CACHE_HEADER, CACHE_STALE if stale else CACHE_HIT),
+                                 *state.identity_headers(), *state.rate_headers))
 
     def cache_record(self, state: RequestState) -> tuple[RequestRecord, bool]:
         """The record of a request the cache answered, and whether its tokens are charged."""

@@ -105,7 +105,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     async def _lookup(self, effect: Effect) -> object:
         assert isinstance(effect, Lookup)
-        return await self.cache.lookup(effect.key) if self.cache is not None else None
+        if self.cache is None:
+            return None
+        return await (self.cache.stale(effect.key) if effect.stale else self.cache.lookup(effect.key))
 
     async def _admit(self, effect: Effect) -> object:
         assert isinstance(effect, Admit)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
@@ -73,6 +74,7 @@ class Settlement:
                         backoff)
         elif decision.endpoint and record.upstream == decision.endpoint:
             self.gateway.health.attempt_succeeded(decision.endpoint)
+        self._breakers(record)
         self.gateway.learn(record)
         if decision.lease is not None:
             tokens, cost = record.charge()
@@ -82,6 +84,27 @@ class Settlement:
         self._sinks(record, ledger=True)
         self.settled += 1
         return record
+
+    def _breakers(self, record: RequestRecord) -> None:
+        """Feed the circuit breakers: the pod extproc picked failed if Envoy had to retry; the pod
+        that answered, and the pool, by the final outcome."""
+        breakers, decision = self.gateway.router.breakers, record.decision
+        failed = record.pod_failed
+        if breakers is None or failed is None or not decision.endpoint:
+            return
+        now = time.monotonic()
+        changes = []
+        if record.attempts > 1:
+            changes += breakers.record("", decision.endpoint, True, now)
+            if record.upstream and record.upstream != decision.endpoint:
+                changes += breakers.record("", record.upstream, failed, now)
+            changes += breakers.record(decision.pool, "", failed, now)
+        else:
+            changes += breakers.record(decision.pool, decision.endpoint, failed, now)
+        for scope, name, state in changes:
+            log.warning("circuit breaker of %s %s: %s", scope, name, state)
+            if self.metrics is not None:
+                self.metrics.breaker(scope, name, state)
 
     def cached(self, record: RequestRecord, charged: bool) -> None:
         """A request the response cache answered: its lease settles with no tokens and no cost
@@ -115,7 +138,7 @@ class Settlement:
         try:
             await self.cache.store(key, value, ttl_s, stale_ttl_s)
         except Exception as error:  # noqa: BLE001 (an answer not kept is a later miss, not an error)
-            log.warning("response cache store failed: %s", error or type(error).__name__)
+            log.warning("response cache store failed: %s", str(error) or type(error).__name__)
 
     def rejected(self, record: RequestRecord) -> None:
         """A request the gateway answered itself: metrics, access log and, for a known tenant, the

@@ -32,6 +32,8 @@ class RequestState:
     endpoint: str | None = None
     facts: BodyFacts | None = None  # what the body said; the parsed JSON itself is not kept
     new_body: bytes | None = None  # the body to forward when it changed; dropped once sent
+    body: bytes | None = None  # the body as received, until the request is decided (a fallback rewrites it)
+    fallback_from: str = ""  # the model whose pool could not serve it (its breaker open)
     rejected: ApiError | None = None
     tenant: Tenant | None = None
     qos: str = ""  # the tenant's QoS class for this request
@@ -42,6 +44,7 @@ class RequestState:
     rate_headers: Headers = ()
     cache_key: bytes | None = None  # the response cache's key of a cacheable request
     cached: bytes | None = None  # the stored answer a hit was answered with
+    cache_stale: bool = False  # ... a stale one, as no pool could serve the request
     phases: list[Phase] = field(default_factory=list)
     _origin: int = 0  # perf_counter_ns at started_ns
     _phase_start: int = 0  # perf_counter_ns at the start of the phase being timed

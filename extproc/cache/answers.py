@@ -130,7 +130,9 @@ def render(stored: bytes, model: str, stream: bool, include_usage: bool) -> tupl
         choices = []
         for c in answer["choices"]:
             if chat:
-                message: dict[str, Any] = {"role": "assistant", "content": c["content"]}
+                # OpenAI sends null content beside tool calls
+                message: dict[str, Any] = {"role": "assistant",
+                                           "content": c["content"] or (None if c.get("tool_calls") else "")}
                 if c.get("tool_calls"):
                     message["tool_calls"] = c["tool_calls"]
                 choices.append({"index": c["index"], "message": message, "logprobs": None,

@@ -88,7 +88,7 @@ class ResponseCache:
             entry = await self.backend.get(key)
         except Exception as error:  # noqa: BLE001 (a cache that fails is a miss, logged)
             self.counters.errors += 1
-            log.warning("response cache lookup failed: %s", error or type(error).__name__)
+            log.warning("response cache lookup failed: %s", str(error) or type(error).__name__)
             return None
         if entry is None or entry[1] <= self._clock() * 1000:
             self.counters.misses += 1
@@ -109,7 +109,7 @@ class ResponseCache:
     async def store(self, key: bytes, value: bytes, ttl_s: float, stale_ttl_s: float) -> None:
         """Keep ``value`` fresh for ``ttl_s``, then stale for ``stale_ttl_s`` more."""
         now_ms = int(self._clock() * 1000)
-        await self.backend.put(key, value, now_ms + int(ttl_s * 1000), int((ttl_s + stale_ttl_s) * 1000))
+        await self.backend.put(key, value, now_ms + int(ttl_s * 1000), max(1, int((ttl_s + stale_ttl_s) * 1000)))
         self.bloom.add(key)
         self.counters.stored += 1
 
@@ -121,7 +121,7 @@ class ResponseCache:
                 self.ready.set()
                 log.info("response cache: %d keys known", self.bloom.count)
             except Exception as error:  # noqa: BLE001 (lookups go to the store until the filter is filled)
-                log.warning("response cache: cannot read the stored keys yet: %s", error or type(error).__name__)
+                log.warning("response cache: cannot read the stored keys yet: %s", str(error) or type(error).__name__)
                 await asyncio.sleep(1.0)
         while True:
             try:
@@ -129,7 +129,7 @@ class ResponseCache:
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # noqa: BLE001 (a gap: those keys are misses until announced again)
-                log.warning("response cache: announcements interrupted: %s", error or type(error).__name__)
+                log.warning("response cache: announcements interrupted: %s", str(error) or type(error).__name__)
                 await asyncio.sleep(1.0)
 
 
@@ -189,6 +189,7 @@ class RedisBackend:
     async def close(self) -> None:
         """See ``CacheBackend.close``."""
         await self._slow.aclose()
+        await self._fast.close()
 
 
 # -- SQLite (no Redis) -------------------------------------------------------------------------------

@@ -505,7 +505,7 @@ class Coordinator:
                         if reason is not None:
                             finished.add(index)
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as error:
-            log.warning("batch %s to pod %s failed: %s", batch_id, endpoint, error or type(error).__name__)
+            log.warning("batch %s to pod %s failed: %s", batch_id, endpoint, str(error) or type(error).__name__)
         finally:
             self._called(endpoint, call_id)
         done = [p for i, p in enumerate(batch) if i in finished]

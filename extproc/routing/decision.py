@@ -12,11 +12,12 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from extproc.accounting import CACHE_HIT, CACHE_MISS, Decision
+from extproc.accounting import CACHE_HIT, CACHE_MISS, CACHE_STALE, Decision
 from extproc.api import ApiError
 from extproc.body import BodyFacts
 from extproc.config import Pool
 from extproc.decisions import Continue
+from extproc.routing.breaker import Breakers
 from extproc.routing.health import EndpointHealth
 from extproc.routing.picker import EndpointPicker, PickRequest
 from extproc.state import RequestState
@@ -45,9 +46,11 @@ CACHE_HEADER = "x-llmgw-cache"  # hit (the gateway answered from its cache), mis
 class Router:
     """Picks endpoints (skipping unhealthy ones) and remembers its picks until their requests end."""
 
-    def __init__(self, picker: EndpointPicker, health: EndpointHealth, forget_after_s: float = 120.0) -> None:
+    def __init__(self, picker: EndpointPicker, health: EndpointHealth, forget_after_s: float = 120.0,
+                 breakers: Breakers | None = None) -> None:
         self.picker = picker
         self.health = health
+        self.breakers = breakers  # None: circuit breakers off
         self.coordinator: str | None = None  # host:port of the batching coordinator, if there is one
         self.forget_after_s = forget_after_s
         # id -> (decision, deadline): what this process routed and has not seen end yet
@@ -59,10 +62,15 @@ class Router:
         facts, model, trace, pool = state.facts, state.model, state.trace, state.pool
         assert facts is not None and model is not None and trace is not None and pool is not None
         usable = self.health.usable(pool.endpoints)
+        breakers, now = self.breakers, time.monotonic()
+        if breakers is not None:  # pods whose breaker is open are left out (unless all are)
+            usable = tuple(e for e in usable if breakers.pod(e).would_allow(now)) or usable
         request = PickRequest(model.name, facts.prefix, pool.picker, pool.draining, model.lora)
         # Envoy's override_host policy tries the listed hosts in order, one per attempt: a pod that
         # refuses the connection or resets before answering is retried once on the fallback.
         endpoint, fallback = self.picker.choose(usable, request)
+        if breakers is not None:
+            breakers.pod(endpoint).allows(now)  # a half-open pod's probe is this request
         state.endpoint = endpoint
         destination = endpoint if fallback is None else f"{endpoint},{fallback}"
         tenant = state.tenant.name if state.tenant is not None else ""
@@ -74,7 +82,7 @@ class Router:
             (POOL_HEADER, pool.name),
             # what was decided and why, copied onto the response by Envoy (envoy.yaml)
             (DECISION_HEADER, decision_header(facts.rule or _rule_of(facts), facts.intent, facts.score,
-                                              model.name, pool.name)),
+                                              model.name, pool.name, state.fallback_from)),
             # W3C baggage for the pod: the seeds' "trace colouring" (batch id joins when batching lands)
             ("baggage", baggage(_baggage_items(state.request_id, model.version, tenant))),
         ]
@@ -186,7 +194,9 @@ def decision_of(state: RequestState, endpoint: str = "") -> Decision:
         parent_span_id=(trace.parent_span_id or "") if trace else "", sampled=state.sampled,
         lease=state.lease, phases=tuple(state.phases), intent=facts.intent if facts is not None else "",
         score=facts.score if facts is not None else None,
-        cache="" if state.cache_key is None else CACHE_HIT if state.cached is not None else CACHE_MISS,
+        cache="" if state.cache_key is None else (CACHE_STALE if state.cache_stale else CACHE_HIT)
+        if state.cached is not None else CACHE_MISS,
+        fallback_from=state.fallback_from,
         cache_key=state.cache_key.hex() if state.cache_key is not None and state.cached is None else "")
 
 
@@ -194,11 +204,14 @@ def _rule_of(facts: BodyFacts) -> str:
     return RULE_INTENTS if facts.intent else RULE_MODEL
 
 
-def decision_header(rule: str, intent: str, score: float | None, model: str, pool: str) -> str:
-    """``x-llmgw-decision``: what chose the model and pool, and how sure semantic routing was."""
+def decision_header(rule: str, intent: str, score: float | None, model: str, pool: str,
+                    fallback_from: str = "") -> str:
+    """``x-llmgw-decision``: what chose the model and pool, how sure semantic routing was, and
+    the model it stands in for when its pool's breaker was open."""
     out = f"rule={rule}"
     if intent:
         out += f"; intent={intent}"
     if score is not None:
         out += f"; score={score:.3f}"
-    return f"{out}; model={model}; pool={pool}"
+    out += f"; model={model}; pool={pool}"
+    return f"{out}; fallback_from={fallback_from}; breaker=open" if fallback_from else out

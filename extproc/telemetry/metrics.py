@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client import multiprocess
 
 from extproc.cache.store import CacheCounters
+from extproc.routing.breaker import STATE_VALUES
 from extproc.ledger import LedgerSink, RedisLedger
 from extproc.accounting import CACHED, REJECTED, RequestRecord
 from extproc.quota import FallbackStats
@@ -85,6 +86,12 @@ class GatewayMetrics:
                              "error (the store failed: a miss)", ("outcome",), registry=self.registry)
         self.cache_stored = Counter("llmgw_cache_stored", "Answers stored in the response cache", registry=self.registry)
         self._cache_seen: dict[str, int] = {}
+        self.breaker_state = Gauge("llmgw_circuit_breaker_state", "Circuit breakers as this worker sees them: 0 "
+                                   "closed, 1 half-open, 2 open", ("scope", "name"), registry=self.registry,
+                                   multiprocess_mode="max")
+        self.fallbacks = Counter("llmgw_fallbacks", "Requests served by a fallback model because the pool of the "
+                                 "model asked for had its breaker open", ("from_model", "to_model"),
+                                 registry=self.registry)
         self._seen = FallbackStats()
         self._dropped = 0
         self._outcomes: dict[str, int] = {}
@@ -98,6 +105,8 @@ class GatewayMetrics:
         d = record.decision
         if record.kind != CACHED:  # a hit was never forwarded
             self.routing.labels(d.pool, d.rule, d.intent).inc()
+        if d.fallback_from:
+            self.fallbacks.labels(d.fallback_from, d.served_model).inc()
         labels = (record.operation, d.served_model or "unknown", d.tenant)
         self.duration.labels(*labels, str(record.status)).observe(record.duration_ms / 1000)
         if record.ttft_ms is not None and d.stream:
@@ -110,6 +119,10 @@ class GatewayMetrics:
                 self.cost.labels(labels[1], labels[2]).inc(record.cost_usd)
             if record.usage_estimated:
                 self.estimated.labels(labels[1]).inc()
+
+    def breaker(self, scope: str, name: str, state: str) -> None:
+        """A circuit breaker changed state."""
+        self.breaker_state.labels(scope, name).set(STATE_VALUES[state])
 
     def sync(self, stats: FallbackStats | None, ledger: LedgerSink | None,
              classifier: ClassifierStats | None = None, pods_known: int | None = None,
