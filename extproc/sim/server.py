@@ -27,7 +27,7 @@ from aiohttp import web
 from extproc.sim import responses
 from extproc.sim.embed import embed, to_base64, truncate
 from extproc.sim.engine import RequestTracker, SimEngine
-from extproc.sim.faults import ERROR_TYPES, FaultInjector
+from extproc.sim.faults import ERROR_TYPES, FaultConfig, FaultInjector
 from extproc.sim.generate import OutputPlan, SamplingParams, choice_seed, plan_output, prompt_key
 from extproc.sim.metrics import METRICS_CONTENT_TYPE, SimMetrics
 from extproc.sim.options import SimOptions
@@ -133,6 +133,7 @@ class SimPod:
         app.router.add_get("/metrics", self.metrics_page)
         app.router.add_get("/debug/requests", self.debug_requests)
         app.router.add_delete("/debug/requests", self.clear_debug_requests)
+        app.router.add_put("/debug/faults", self.set_faults)
         if self.options.batch_grpc_port is not None:
             app.router.add_get("/llmgw/v1/batch", self.batch_info)
         app.cleanup_ctx.append(self._engine_task)
@@ -181,6 +182,19 @@ class SimPod:
                                               "request recording is off (start with --record N)"))
         body = orjson.dumps({"requests": [r.to_json() for r in self.recorded]})
         return web.Response(body=body, content_type="application/json")
+
+    async def set_faults(self, request: web.Request) -> web.Response:
+        """``PUT /debug/faults``: new fault settings (the FaultConfig fields; those not given are
+        off), so a test can make a running pod fail and recover."""
+        try:
+            fields = orjson.loads(await request.read())
+            config = FaultConfig(**fields) if isinstance(fields, dict) else None
+        except (orjson.JSONDecodeError, TypeError, ValueError) as error:
+            return _error_response(RequestError(400, "BadRequestError", f"bad fault settings: {error}"))
+        if config is None:
+            return _error_response(RequestError(400, "BadRequestError", "fault settings must be an object"))
+        self.faults.config = config
+        return web.Response(status=204)
 
     async def clear_debug_requests(self, _request: web.Request) -> web.Response:
         """``DELETE /debug/requests``: forget what was recorded."""

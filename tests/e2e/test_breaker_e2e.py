@@ -1,0 +1,90 @@
+"""End to end: circuit breakers and the fallback chain through Envoy with the openai client. A pool
+whose pods fail opens its breaker, its model's requests go to the fallback model, the breaker
+half-opens and closes once the pods recover; with every pool failing, a stale cached answer, else
+a 503 with retry-after."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from extproc.launcher import LocalStack, StackInfo, StackOptions
+
+CONFIG = {
+    "pools": [{"name": "big", "simulate": 1}, {"name": "small", "simulate": 1}],
+    "models": [{"name": "big-model", "pool": "big", "fallback": ["small-model"], "cache": {"ttl_s": 1}},
+               {"name": "small-model", "pool": "small"}],
+    "breakers": {"min_requests": 3, "open_s": 1.5, "probes": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
+    run_dir = tmp_path_factory.mktemp("breaker")
+    config = run_dir / "llmgw.yaml"
+    config.write_text(yaml.safe_dump(CONFIG))
+    # One worker: every record reaches the breakers that decide.
+    options = StackOptions(config_path=config, run_dir=run_dir, port=0, workers=1, envoy_concurrency=1,
+                           log_level="WARNING", sim_args=("--seed", "5"))
+    with LocalStack(options) as info:
+        yield info
+
+
+def _faults(info: StackInfo, pool: str, **settings: float) -> None:
+    for url in info.pod_urls[pool]:
+        httpx.put(f"{url}/debug/faults", json=settings, timeout=5).raise_for_status()
+
+
+def _ask(info: StackInfo, **extra: object) -> httpx.Response:
+    body = {"model": "big-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, **extra}
+    return httpx.post(f"{info.base_url}/v1/chat/completions", json=body, timeout=30)
+
+
+def _until(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "not within the time allowed"
+        time.sleep(0.05)
+
+
+def _served_by(response: httpx.Response) -> str:
+    return response.headers.get("x-llmgw-pool", "")
+
+
+def test_a_failing_pool_falls_back_then_closes_again_when_it_recovers(chain: StackInfo) -> None:
+    _until(lambda: _served_by(_ask(chain)) == "big")  # closed (whatever ran before)
+    _faults(chain, "big", error_rate=1.0)
+    # Its pods answer 500/503 until the breaker has seen enough of them; then the fallback serves.
+    _until(lambda: _served_by(_ask(chain)) == "small")
+    answer = _ask(chain)
+    assert answer.status_code == 200 and answer.json()["model"] == "small-model"
+    assert "fallback_from=big-model" in answer.headers["x-llmgw-decision"]
+    client = openai.OpenAI(base_url=f"{chain.base_url}/v1", api_key="unused", max_retries=0)
+    streamed = list(client.chat.completions.create(model="big-model", messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=4, stream=True))
+    assert streamed[-1].choices[0].finish_reason is not None  # a stream falls back before its first byte
+    _faults(chain, "big")  # recovered: after open_s the breaker lets probes through, then closes
+    _until(lambda: _served_by(_ask(chain)) == "big")
+    assert all(_served_by(_ask(chain)) == "big" for _ in range(5))
+
+
+def test_with_every_pool_failing_a_stale_answer_or_a_503(chain: StackInfo) -> None:
+    deterministic = {"temperature": 0, "messages": [{"role": "user", "content": "remember me"}]}
+    _until(lambda: _ask(chain, **deterministic).headers.get("x-llmgw-cache") == "hit")
+    _faults(chain, "big", error_rate=1.0)
+    _faults(chain, "small", error_rate=1.0)
+    try:
+        _until(lambda: _ask(chain).status_code == 503 and _ask(chain).json()["error"]["code"] == "pool_unavailable")
+        refused = _ask(chain)
+        assert int(refused.headers["retry-after"]) >= 1
+        stale = _ask(chain, **deterministic)
+        assert stale.status_code == 200 and stale.headers["x-llmgw-cache"] == "stale"
+        assert stale.json()["choices"][0]["message"]["content"]
+    finally:
+        _faults(chain, "big")
+        _faults(chain, "small")
