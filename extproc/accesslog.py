@@ -104,7 +104,17 @@ def response_facts(entry: al.HTTPAccessLogEntry, lua: Mapping[str, Any]) -> Resp
         content_events=int(lua.get("events", 0)),
         first_event_ns=int(first_event * 1_000_000) if first_event is not None else None,
         streamed=bool(lua.get("sse", False)),
+        retry_after_s=_retry_after(entry.response.response_headers.get("retry-after", "")),
         body=lua["body"].encode() if isinstance(lua.get("body"), str) and not lua.get("body_cut") else None)
+
+
+def _retry_after(value: str) -> float | None:
+    """A retry-after header's delay in seconds (the HTTP-date form is not used by inference pods)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return seconds if 0 < seconds <= 3600 else None
 
 
 def plain(struct: Struct) -> dict[str, Any]:

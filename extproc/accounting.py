@@ -181,6 +181,7 @@ class ResponseFacts:
     first_event_ns: int | None = None
     streamed: bool = False
     body: bytes | None = None  # the response body, captured for the response cache (a miss's)
+    retry_after_s: float | None = None  # the pod's retry-after header, if it sent one
 
 
 @dataclass(frozen=True, slots=True)

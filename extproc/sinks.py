@@ -73,7 +73,11 @@ class Settlement:
             log.warning("pod %s failed an attempt (retried elsewhere): no traffic for %.0f s", decision.endpoint,
                         backoff)
         elif decision.endpoint and record.upstream == decision.endpoint:
-            self.gateway.health.attempt_succeeded(decision.endpoint)
+            if record.status in (429, 503) and response.retry_after_s is not None:
+                # The pod asked for a pause: it gets no traffic from this process for that long.
+                self.gateway.health.pause(decision.endpoint, response.retry_after_s)
+            else:
+                self.gateway.health.attempt_succeeded(decision.endpoint)
         self._breakers(record)
         self.gateway.learn(record)
         if decision.lease is not None:

@@ -55,6 +55,13 @@ class EndpointHealth:
         self._ejected[endpoint] = _Ejection(now + backoff, backoff)
         return backoff
 
+    def pause(self, endpoint: str, seconds: float) -> None:
+        """The pod answered 429/503 with ``retry-after``: out for that long (its backoff unchanged)."""
+        now = self._clock()
+        previous = self._ejected.get(endpoint)
+        backoff = previous.backoff if previous is not None else BACKOFF_S / 2
+        self._ejected[endpoint] = _Ejection(max(now + seconds, previous.until if previous else 0.0), backoff)
+
     def attempt_succeeded(self, endpoint: str) -> None:
         """A request went through ``endpoint`` at the first attempt: forget its failures."""
         if self._ejected:

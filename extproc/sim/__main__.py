@@ -78,6 +78,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SimOptions:
     faults.add_argument("--spike-ms", type=float, default=0.0, help="extra delay before the first token")
     faults.add_argument("--hang-rate", type=float, default=0.0, help="never answer")
     faults.add_argument("--crash-after", type=int, default=0, help="os._exit(1) after N requests")
+    faults.add_argument("--retry-after", type=float, default=0.0, help="injected 503s carry retry-after: S seconds")
     faults.add_argument("--die-after-tokens", type=int, default=0, metavar="N",
                         help="os._exit(1) mid-answer, once one sequence has generated N tokens")
     p.add_argument("--batch-grpc-port", type=int, default=None, metavar="PORT",
@@ -113,7 +114,8 @@ def parse_args(argv: Sequence[str] | None = None) -> SimOptions:
             time_scale=args.time_scale,
             faults=FaultConfig(error_rate=args.error_rate, spike_rate=args.spike_rate,
                                spike_ms=args.spike_ms, hang_rate=args.hang_rate,
-                               crash_after=args.crash_after, die_after_tokens=args.die_after_tokens),
+                               crash_after=args.crash_after, die_after_tokens=args.die_after_tokens,
+                               retry_after_s=args.retry_after),
             seed=args.seed,
             record=args.record,
             enable_lora=args.enable_lora,

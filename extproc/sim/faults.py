@@ -27,6 +27,7 @@ class FaultConfig:
     hang_rate: float = 0.0
     crash_after: int = 0  # requests answered before the process exits
     die_after_tokens: int = 0  # tokens one sequence generates before the process dies mid-answer
+    retry_after_s: float = 0.0  # injected 503s carry retry-after (whole seconds) when > 0
 
     def __post_init__(self) -> None:
         for name in ("error_rate", "spike_rate", "hang_rate"):

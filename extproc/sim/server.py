@@ -69,11 +69,13 @@ class RecordedRequest:
 class RequestError(Exception):
     """A refused request: HTTP status, OpenAI error type, message, param."""
 
-    def __init__(self, status: int, err_type: str, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, err_type: str, message: str, param: str | None = None,
+                 retry_after_s: float = 0.0) -> None:
         super().__init__(message)
         self.status = status
         self.err_type = err_type
         self.param = param
+        self.retry_after_s = retry_after_s  # > 0: sent as retry-after (whole seconds, at least 1)
 
 
 def _bad_request(message: str, param: str | None = None) -> RequestError:
@@ -259,7 +261,8 @@ class SimPod:
         decision = self.faults.decide()
         if decision.error_status is not None:
             raise RequestError(decision.error_status, ERROR_TYPES[decision.error_status],
-                             "injected failure (simulated pod)")
+                               "injected failure (simulated pod)",
+                               retry_after_s=self.faults.config.retry_after_s if decision.error_status == 503 else 0.0)
         if decision.hang:
             await _wait_for_disconnect(request, self.closing)
             return web.Response(status=503)
@@ -529,7 +532,9 @@ async def _wait_for_disconnect(request: web.Request, closing: asyncio.Event) -> 
 
 
 def _error_response(err: RequestError, request_id: str | None = None) -> web.Response:
-    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+    headers = {REQUEST_ID_HEADER: request_id} if request_id else {}
+    if err.retry_after_s > 0:
+        headers["retry-after"] = str(max(1, round(err.retry_after_s)))
     return web.Response(status=err.status, content_type="application/json", headers=headers,
                         body=responses.error_body(str(err), err.err_type, err.status, err.param))
 

@@ -16,7 +16,7 @@ import yaml
 from extproc.launcher import LocalStack, StackInfo, StackOptions
 
 CONFIG = {
-    "pools": [{"name": "big", "simulate": 1}, {"name": "small", "simulate": 1}],
+    "pools": [{"name": "big", "simulate": 1}, {"name": "small", "simulate": 2}],
     "models": [{"name": "big-model", "pool": "big", "fallback": ["small-model"], "cache": {"ttl_s": 1}},
                {"name": "small-model", "pool": "small"}],
     "breakers": {"min_requests": 3, "open_s": 1.5, "probes": 2},
@@ -88,3 +88,20 @@ def test_with_every_pool_failing_a_stale_answer_or_a_503(chain: StackInfo) -> No
     finally:
         _faults(chain, "big")
         _faults(chain, "small")
+
+
+def test_a_pod_that_asks_for_a_pause_with_retry_after_gets_no_traffic_meanwhile(chain: StackInfo) -> None:
+    # Whatever ran before: the pool's breaker closed again (every answer a 200 for a while).
+    _until(lambda: all(_ask(chain, model="small-model").status_code == 200 for _ in range(5)))
+    tired = chain.pod_urls["small"][0]
+    httpx.put(f"{tired}/debug/faults", json={"error_rate": 1.0, "retry_after_s": 60}, timeout=5).raise_for_status()
+    try:
+        seen: list[int] = []
+        # The picker spreads requests over both pods: sooner or later one lands on the tired pod.
+        _until(lambda: seen.append(_ask(chain, model="small-model").status_code) or 503 in seen)
+        # Its 503 is settled from the access log a moment after the client has it: a request or
+        # two may still go there meanwhile; after that, none for the 60 s asked.
+        after = [_ask(chain, model="small-model").status_code for _ in range(20)]
+        assert after[-10:] == [200] * 10, after
+    finally:
+        httpx.put(f"{tired}/debug/faults", json={}, timeout=5).raise_for_status()
