@@ -245,6 +245,7 @@ class Gateway:
             body = state.new_body or state.body
             assert body is not None
             state.new_body = with_served_model(body, model.name)
+        state.spare = self._spare(model, pool)
         if pool.shed and (overloaded := self.router.shed(pool, state.qos)) is not None:
             state.new_body = None
             return self._reject(state, overloaded, (("retry-after", "1"),))
@@ -266,6 +267,17 @@ class Gateway:
             alternative = self.config.models_by_name[name]
             if self.breakers.pool(alternative.pool.name).allows(now):
                 state.fallback_from = model.name
+                return alternative, alternative.pool
+        return None
+
+    def _spare(self, model: Model, pool: Pool) -> tuple[Model, Pool] | None:
+        """The model Envoy's last attempt falls back to if the picked pods refuse the request (429,
+        503, no connection): the first of the chain in another pool whose breaker is not open."""
+        now = time.monotonic()
+        for name in model.fallback:
+            alternative = self.config.models_by_name[name]
+            if alternative.pool is not pool and (not self.config.breakers.enabled
+                                                 or self.breakers.pool(alternative.pool.name).would_allow(now)):
                 return alternative, alternative.pool
         return None
 

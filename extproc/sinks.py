@@ -64,7 +64,9 @@ class Settlement:
         if not self._first(decision.id):
             self.duplicates += 1
             return None
-        model = self.gateway.config.lookup(decision.served_model)
+        # Priced as the model that answered: the fallback's when Envoy's last attempt went to it.
+        spare = response.fallback_model or self._spare_model(decision, response.upstream)
+        model = self.gateway.config.lookup(spare or decision.served_model)
         record = build_record(decision, response, model.prices if model is not None else None)
         self.gateway.router.ended(decision.id)
         if decision.endpoint and record.attempts > 1:
@@ -78,7 +80,7 @@ class Settlement:
                 self.gateway.health.pause(decision.endpoint, response.retry_after_s)
             else:
                 self.gateway.health.attempt_succeeded(decision.endpoint)
-        self._breakers(record)
+        self._breakers(record, spare is not None)
         self.gateway.learn(record)
         if decision.lease is not None:
             tokens, cost = record.charge()
@@ -89,9 +91,18 @@ class Settlement:
         self.settled += 1
         return record
 
-    def _breakers(self, record: RequestRecord) -> None:
+    def _spare_model(self, decision: Decision, upstream: str) -> str | None:
+        """The fallback model whose pod answered (Envoy's last attempt), if one of its chain did."""
+        config = self.gateway.config
+        pool, model = config.pools.get(decision.pool), config.lookup(decision.served_model)
+        if not upstream or pool is None or model is None or upstream in pool.endpoints:
+            return None
+        return next((name for name in model.fallback if upstream in config.models_by_name[name].pool.endpoints), None)
+
+    def _breakers(self, record: RequestRecord, served_elsewhere: bool) -> None:
         """Feed the circuit breakers: the pod extproc picked failed if Envoy had to retry; the pod
-        that answered, and the pool, by the final outcome."""
+        that answered by the final outcome; the pool by the final outcome, or failed when the
+        fallback model's pod had to answer for it."""
         breakers, decision = self.gateway.router.breakers, record.decision
         failed = record.pod_failed
         if breakers is None or failed is None or not decision.endpoint:
@@ -102,7 +113,7 @@ class Settlement:
             changes += breakers.record("", decision.endpoint, True, now)
             if record.upstream and record.upstream != decision.endpoint:
                 changes += breakers.record("", record.upstream, failed, now)
-            changes += breakers.record(decision.pool, "", failed, now)
+            changes += breakers.record(decision.pool, "", failed or served_elsewhere, now)
         else:
             changes += breakers.record(decision.pool, decision.endpoint, failed, now)
         for scope, name, state in changes:

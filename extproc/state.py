@@ -34,6 +34,7 @@ class RequestState:
     new_body: bytes | None = None  # the body to forward when it changed; dropped once sent
     body: bytes | None = None  # the body as received, until the request is decided (a fallback rewrites it)
     fallback_from: str = ""  # the model whose pool could not serve it (its breaker open)
+    spare: tuple[Model, Pool] | None = None  # the fallback model Envoy's last attempt goes to if the pod refuses
     rejected: ApiError | None = None
     tenant: Tenant | None = None
     qos: str = ""  # the tenant's QoS class for this request

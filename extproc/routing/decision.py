@@ -40,6 +40,7 @@ RULE_INTENTS = "intents"  # no rule matched: semantic routing (the client named 
 # the client. x-llmgw-* from a client is stripped first, so it cannot be forged.
 STRIP_USAGE_HEADER = "x-llmgw-strip-usage"
 METADATA_NAMESPACE = "llmgw"
+SPARE_HEADER = "x-llmgw-fallback"  # "host model": the attempt Envoy makes on host gets that model
 CACHE_HEADER = "x-llmgw-cache"  # hit (the gateway answered from its cache), miss (the pod's answer is stored)
 
 
@@ -72,9 +73,19 @@ class Router:
         if breakers is not None:
             breakers.pod(endpoint).allows(now)  # a half-open pod's probe is this request
         state.endpoint = endpoint
-        destination = endpoint if fallback is None else f"{endpoint},{fallback}"
+        hosts = [endpoint] if fallback is None else [endpoint, fallback]
         tenant = state.tenant.name if state.tenant is not None else ""
         batch = self._batch_settings(state)
+        spare = None
+        if state.spare is not None and batch is None:  # a pod of the fallback model, tried last
+            spare_model, spare_pool = state.spare
+            spare_request = PickRequest(spare_model.name, facts.prefix, spare_pool.picker, spare_pool.draining,
+                                        spare_model.lora)
+            spare_host = self.picker.fallback(self.health.usable(spare_pool.endpoints), "", spare_request)
+            if spare_host is not None:
+                hosts.append(spare_host)
+                spare = f"{spare_host} {spare_model.name}"
+        destination = ",".join(hosts)
         set_headers: list[tuple[str, str]] = [
             (ROUTE_HEADER, ROUTE_DIRECT if batch is None else ROUTE_BATCH),
             (DESTINATION_HEADER, destination),
@@ -89,6 +100,9 @@ class Router:
         if tenant:
             set_headers.append((TENANT_HEADER, tenant))
             set_headers.append((qos_header, state.qos))
+        if spare is not None:  # envoy.yaml: llm_pods' upstream Lua filter rewrites that attempt's model
+            set_headers.append((SPARE_HEADER, spare))
+            set_headers.append(("x-envoy-max-retries", str(len(hosts) - 1)))
         if batch is not None:
             set_headers.append((BATCH_HEADER, batch))
             set_headers.append((INPUT_TOKENS_HEADER, str(facts.input_tokens)))

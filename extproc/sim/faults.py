@@ -28,12 +28,15 @@ class FaultConfig:
     crash_after: int = 0  # requests answered before the process exits
     die_after_tokens: int = 0  # tokens one sequence generates before the process dies mid-answer
     retry_after_s: float = 0.0  # injected 503s carry retry-after (whole seconds) when > 0
+    error_status: int = 0  # injected errors' status: 500 or 503 (0: either, with equal odds)
 
     def __post_init__(self) -> None:
         for name in ("error_rate", "spike_rate", "hang_rate"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name}: must be within 0..1, got {value}")
+        if self.error_status not in (0, *ERROR_TYPES):
+            raise ValueError(f"error_status: must be 0 or one of {sorted(ERROR_TYPES)}")
         if self.spike_ms < 0 or self.crash_after < 0 or self.die_after_tokens < 0:
             raise ValueError("spike_ms, crash_after and die_after_tokens must be >= 0")
 
@@ -65,7 +68,8 @@ class FaultInjector:
             return NO_FAULT
         error_draw, hang_draw, spike_draw = self._rng.random(), self._rng.random(), self._rng.random()
         if error_draw < cfg.error_rate:
-            return FaultDecision(error_status=500 if error_draw < cfg.error_rate / 2 else 503)
+            status = cfg.error_status or (500 if error_draw < cfg.error_rate / 2 else 503)
+            return FaultDecision(error_status=status)
         if hang_draw < cfg.hang_rate:
             return FaultDecision(hang=True)
         if spike_draw < cfg.spike_rate:

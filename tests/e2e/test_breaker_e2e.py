@@ -30,7 +30,7 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
     config.write_text(yaml.safe_dump(CONFIG))
     # One worker: every record reaches the breakers that decide.
     options = StackOptions(config_path=config, run_dir=run_dir, port=0, workers=1, envoy_concurrency=1,
-                           log_level="WARNING", sim_args=("--seed", "5"))
+                           log_level="WARNING", sim_args=("--seed", "5", "--record", "1000"))
     with LocalStack(options) as info:
         yield info
 
@@ -90,18 +90,43 @@ def test_with_every_pool_failing_a_stale_answer_or_a_503(chain: StackInfo) -> No
         _faults(chain, "small")
 
 
+def _recorded(url: str) -> int:
+    return len(httpx.get(f"{url}/debug/requests", timeout=5).json()["requests"])
+
+
 def test_a_pod_that_asks_for_a_pause_with_retry_after_gets_no_traffic_meanwhile(chain: StackInfo) -> None:
     # Whatever ran before: the pool's breaker closed again (every answer a 200 for a while).
     _until(lambda: all(_ask(chain, model="small-model").status_code == 200 for _ in range(5)))
     tired = chain.pod_urls["small"][0]
-    httpx.put(f"{tired}/debug/faults", json={"error_rate": 1.0, "retry_after_s": 60}, timeout=5).raise_for_status()
+    httpx.put(f"{tired}/debug/faults", json={"error_rate": 1.0, "error_status": 503, "retry_after_s": 60},
+              timeout=5).raise_for_status()
     try:
-        seen: list[int] = []
-        # The picker spreads requests over both pods: sooner or later one lands on the tired pod.
-        _until(lambda: seen.append(_ask(chain, model="small-model").status_code) or 503 in seen)
-        # Its 503 is settled from the access log a moment after the client has it: a request or
-        # two may still go there meanwhile; after that, none for the 60 s asked.
-        after = [_ask(chain, model="small-model").status_code for _ in range(20)]
-        assert after[-10:] == [200] * 10, after
+        # Its 503 goes on to the pool's other pod (the client still gets its answer); sooner or
+        # later the picker sends one there.
+        before = _recorded(tired)
+        _until(lambda: _ask(chain, model="small-model").status_code == 200 and _recorded(tired) > before)
+        # That 503 is settled from the access log a moment after the client has its answer: a
+        # request or two may still go there meanwhile; after that, none for the 60 s asked.
+        for _ in range(5):
+            assert _ask(chain, model="small-model").status_code == 200
+        paused = _recorded(tired)
+        assert all(_ask(chain, model="small-model").status_code == 200 for _ in range(10))
+        assert _recorded(tired) == paused
     finally:
         httpx.put(f"{tired}/debug/faults", json={}, timeout=5).raise_for_status()
+
+
+def test_a_pod_that_refuses_hands_the_request_to_the_fallback_model_before_the_first_byte(chain: StackInfo) -> None:
+    # The breaker has not opened yet: Envoy itself takes the refusal (503) to the third host
+    # extproc listed, a pod of small-model, whose model the upstream Lua filter writes into the body.
+    _until(lambda: all(_served_by(_ask(chain)) == "big" for _ in range(3)))
+    _faults(chain, "big", error_rate=1.0, error_status=503)
+    try:
+        answer = _ask(chain)
+        assert answer.status_code == 200 and answer.json()["model"] == "small-model"
+        client = openai.OpenAI(base_url=f"{chain.base_url}/v1", api_key="unused", max_retries=0)
+        chunks = list(client.chat.completions.create(
+            model="big-model", messages=[{"role": "user", "content": "stream"}], max_tokens=4, stream=True))
+        assert chunks[0].model == "small-model" and chunks[-1].choices[0].finish_reason is not None
+    finally:
+        _faults(chain, "big")
