@@ -75,11 +75,11 @@ def build_cache(config: GatewayConfig) -> ResponseCache | None:
     spec = config.response_cache
     bloom = BloomFilter(spec.bloom_bits, spec.bloom_hashes)
     if config.redis_url is not None:
-        return ResponseCache(RedisBackend(config.redis_url), bloom)
+        return ResponseCache(RedisBackend(config.redis_url), bloom, guard=spec.guard)
     path = spec.local_path or os.environ.get(CACHE_PATH_ENV)
     if path is None:
         log.warning("no response_cache.local_path nor %s: each extproc process caches alone", CACHE_PATH_ENV)
-    return ResponseCache(SqliteBackend(path), bloom)
+    return ResponseCache(SqliteBackend(path), bloom, guard=spec.guard)
 
 
 def build_ledger(config: GatewayConfig) -> LedgerSink | None:

@@ -163,6 +163,7 @@ class ResponseCacheSpec(_Strict):
     """The node-wide side of the response cache: the penetration guard's Bloom filter of keys
     that exist (checked before the store: a key it has never seen costs no round trip)."""
 
+    guard: bool = True  # false: every lookup goes to the store (to measure what the guard saves)
     bloom_bits: Annotated[int, Field(ge=8, le=1 << 33, multiple_of=8)] = 8 * 2 ** 20  # m = 1 MiB
     bloom_hashes: Annotated[int, Field(ge=1, le=16)] = 3  # k
     local_path: str | None = None  # SQLite file shared by this node's workers without Redis (else LLMGW_CACHE_PATH)

@@ -72,16 +72,17 @@ class ResponseCache:
     """Lookups through the Bloom filter, stores announced to every process."""
 
     def __init__(self, backend: CacheBackend, bloom: BloomFilter | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, guard: bool = True) -> None:
         self.backend = backend
         self.bloom = bloom or BloomFilter()
+        self.guard = guard  # False: the filter is kept but not consulted (every lookup reaches the store)
         self.counters = CacheCounters()
         self._clock = clock
         self.ready = asyncio.Event()  # the filter holds every key stored before the process started
 
     async def lookup(self, key: bytes) -> bytes | None:
         """A fresh stored answer, or None (a miss: never an exception, a failing store is a miss)."""
-        if key not in self.bloom and self.ready.is_set():
+        if self.guard and key not in self.bloom and self.ready.is_set():
             self.counters.filtered += 1
             return None
         try:
