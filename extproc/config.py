@@ -182,6 +182,24 @@ class BreakerSpec(_Strict):
     probes: Annotated[int, Field(ge=1, le=1000)] = 3
 
 
+class DegradeSpec(_Strict):
+    """Degradation under load, by QoS class (``default`` for classes not named): a class is over
+    its share when the requests running and waiting on the pool's pods (scraped) reach
+    ``share`` x ``max_concurrent``; it is then refused (429) or moved to the model's fallback.
+    Give batch the smallest share: it goes first, realtime last. ``timeout_s`` bounds a request
+    of the class end to end (Envoy's x-envoy-upstream-rq-timeout-ms; a 504 past it)."""
+
+    max_concurrent: Annotated[int, Field(ge=1)] | None = None
+    share: dict[str, Annotated[float, Field(gt=0, le=1)]] = Field(
+        default_factory=lambda: {"batch": 0.5, "default": 0.8, "realtime": 1.0})
+    action: dict[str, Literal["refuse", "fallback"]] = Field(default_factory=dict)  # default: refuse
+    timeout_s: dict[str, Annotated[float, Field(gt=0, le=86400)]] = Field(default_factory=dict)
+
+    def of(self, qos: str, table: dict[str, Any]) -> Any:
+        """``table``'s entry for class ``qos``, else its ``default``."""
+        return table.get(qos or "default", table.get("default"))
+
+
 class PoolSpec(_Strict):
     """A set of interchangeable inference pods serving the same models."""
 
@@ -203,6 +221,7 @@ class PoolSpec(_Strict):
     # Give batch the smallest depth and realtime the largest: batch is shed first, realtime last.
     shed: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
     batching: BatchingSpec = Field(default_factory=BatchingSpec)
+    degrade: DegradeSpec = Field(default_factory=DegradeSpec)
 
     @model_validator(mode="after")
     def _has_endpoints(self) -> PoolSpec:
@@ -592,6 +611,7 @@ class Pool:
     draining: frozenset[str] = frozenset()
     shed: tuple[tuple[str, float], ...] = ()  # (QoS class or "default", mean waiting depth per pod)
     batching: BatchingSpec = field(default_factory=BatchingSpec)
+    degrade: DegradeSpec = field(default_factory=DegradeSpec)
 
     def shed_depth(self, qos: str) -> float | None:
         """The mean queue depth past which requests of class ``qos`` are refused (None: never)."""
@@ -761,7 +781,7 @@ def compile_spec(spec: GatewaySpec, *, env: dict[str, str] | os._Environ[str]) -
             raise ConfigError(f"pools[{i}].endpoints: empty (simulated pools get theirs from `llmgw up`)")
         pools[p.name] = Pool(p.name, tuple(p.endpoints), _read_credential(p.credential, f"pools[{i}].credential", env),
                              p.health, p.picker or spec.endpoint_picker.default, frozenset(p.draining),
-                             tuple(p.shed.items()), p.batching)
+                             tuple(p.shed.items()), p.batching, p.degrade)
     templates: dict[str, JinjaChatTemplate] = {}  # each file compiled once, however many models share it
     models = tuple(
         Model(m.name, pools[m.pool], tuple(m.aliases), m.owned_by, m.max_model_len, Prices(**m.price.model_dump()),

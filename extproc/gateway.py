@@ -240,11 +240,18 @@ class Gateway:
             alternative = self._fallback(state, model)
             if alternative is None:
                 return self._unavailable(state, pool)
-            model, pool = state.model, state.pool = alternative
-            facts = state.facts = replace(facts, served=model.name, pool=pool.name)
-            body = state.new_body or state.body
-            assert body is not None
-            state.new_body = with_served_model(body, model.name)
+            facts, model, pool = self._switch(state, facts, alternative)
+        degrade = pool.degrade
+        if degrade.max_concurrent is not None and (load := self.router.load(pool)) is not None \
+                and load >= degrade.of(state.qos, degrade.share) * degrade.max_concurrent:
+            alternative = self._fallback(state, model) if degrade.of(state.qos, degrade.action) == "fallback" else None
+            if alternative is None:
+                state.new_body = None
+                return self._reject(state, ApiError(
+                    429, f"Pool {pool.name!r} is at {load:g} requests for {degrade.max_concurrent}; "
+                         f"{state.qos or 'default'} requests give way first. Please try again in 1s.",
+                    type="requests", code="pool_overloaded"), (("retry-after", "1"),))
+            facts, model, pool = self._switch(state, facts, alternative)
         state.spare = self._spare(model, pool)
         if pool.shed and (overloaded := self.router.shed(pool, state.qos)) is not None:
             state.new_body = None
@@ -269,6 +276,16 @@ class Gateway:
                 state.fallback_from = model.name
                 return alternative, alternative.pool
         return None
+
+    def _switch(self, state: RequestState, facts: BodyFacts, alternative: tuple[Model, Pool]
+                ) -> tuple[BodyFacts, Model, Pool]:
+        """Serve the request with a fallback model: its pool, and the body rewritten for it."""
+        model, pool = state.model, state.pool = alternative
+        facts = state.facts = replace(facts, served=model.name, pool=pool.name)
+        body = state.new_body or state.body
+        assert body is not None
+        state.new_body = with_served_model(body, model.name)
+        return facts, model, pool
 
     def _spare(self, model: Model, pool: Pool) -> tuple[Model, Pool] | None:
         """The model Envoy's last attempt falls back to if the picked pods refuse the request (429,

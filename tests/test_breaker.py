@@ -125,3 +125,57 @@ def test_a_pod_whose_breaker_is_open_is_not_picked() -> None:
         decided = _decide(gateway, ASK)
         assert isinstance(decided, Continue)
         assert dict(decided.set_headers)["x-gateway-destination-endpoint"].split(",")[0] == "10.0.0.2:8000"
+
+
+# -- degradation under load, by QoS class ------------------------------------------------------------
+
+class _Load:
+    """Scraped pod states: every pod of the big pool with ``running`` requests, others unknown."""
+
+    def __init__(self, running: float) -> None:
+        self.running = running
+
+    def get(self, endpoint: str) -> object | None:
+        if not endpoint.startswith("10.0.0."):
+            return None
+        return type("State", (), {"running": self.running, "waiting": 0.0, "kv_usage": 0.0, "models": frozenset(),
+                                  "running_adapters": frozenset(), "waiting_adapters": frozenset(),
+                                  "max_lora": 0})()
+
+
+DEGRADING = {
+    **DOCUMENT,
+    "pools": [{"name": "big", "endpoints": ["10.0.0.1:8000", "10.0.0.2:8000"],
+               "degrade": {"max_concurrent": 10, "action": {"batch": "refuse", "default": "fallback"},
+                           "timeout_s": {"realtime": 2.5}}},
+              {"name": "small", "endpoints": ["10.0.1.1:8000"]}],
+    "tenants": [{"name": "t", "keys": [{"sha256": "a" * 64}], "qos": ["standard", "batch", "realtime"]}],
+}
+
+
+@pytest.mark.parametrize(("running", "outcomes"), [
+    # load = 2 pods x running; shares of max_concurrent 10: batch 5, the default class 8, realtime 10
+    (2, {"batch": "big", "standard": "big", "realtime": "big"}),
+    (3, {"batch": 429, "standard": "big", "realtime": "big"}),  # 6: batch is refused first
+    (4.5, {"batch": 429, "standard": "small", "realtime": "big"}),  # 9: the default class falls back
+    (5, {"batch": 429, "standard": "small", "realtime": "small"}),  # 10: realtime last
+])
+def test_under_load_batch_is_refused_first_the_default_class_falls_back_and_realtime_goes_on(
+        running: float, outcomes: dict[str, object]) -> None:
+    gateway = Gateway(parse_config(DEGRADING), Picker(random.Random(0), _Load(running)))  # type: ignore[arg-type]
+    for qos, expected in outcomes.items():
+        state = gateway.new_request()
+        gateway.request_headers(state, {":method": "POST", ":path": "/v1/chat/completions",
+                                        "content-type": "application/json", "authorization": "Bearer k",
+                                        "x-llmgw-qos": qos}, False)
+        state.tenant = gateway.config.tenants_by_name["t"]  # the key's digest stands for it here
+        state.qos = qos
+        decided = gateway.request_body(state, orjson.dumps(ASK))
+        if expected == 429:
+            assert isinstance(decided, Reply) and decided.status == 429, qos
+            assert orjson.loads(decided.body)["error"]["code"] == "pool_overloaded"
+            continue
+        assert isinstance(decided, Continue), (qos, decided)
+        headers = dict(decided.set_headers)
+        assert headers["x-llmgw-pool"] == expected, qos
+        assert ("x-envoy-upstream-rq-timeout-ms" in headers) == (qos == "realtime" and expected == "big")  # big's bound

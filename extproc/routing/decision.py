@@ -100,6 +100,9 @@ class Router:
         if tenant:
             set_headers.append((TENANT_HEADER, tenant))
             set_headers.append((qos_header, state.qos))
+        timeout = pool.degrade.of(state.qos, pool.degrade.timeout_s)
+        if timeout is not None:  # the class's bound on the whole request (Envoy answers 504 past it)
+            set_headers.append(("x-envoy-upstream-rq-timeout-ms", str(int(timeout * 1000))))
         if spare is not None:  # envoy.yaml: llm_pods' upstream Lua filter rewrites that attempt's model
             set_headers.append((SPARE_HEADER, spare))
             set_headers.append(("x-envoy-max-retries", str(len(hosts) - 1)))
@@ -134,6 +137,11 @@ class Router:
         group = "" if settings.group_threshold is None else f"; group={settings.group_threshold:g}"
         return (f"wait_ms={settings.wait_ms(state.qos):g}; size={settings.max_batch_size}; "
                 f"tokens={settings.max_batched_tokens}{group}")
+
+    def load(self, pool: Pool) -> float | None:
+        """Requests running and waiting on the pool's pods, as last scraped (None: none known)."""
+        states = [s for s in (self.picker.states.get(e) for e in pool.endpoints) if s is not None]
+        return sum(s.running + s.waiting for s in states) if states else None
 
     def shed(self, pool: Pool, qos: str) -> ApiError | None:
         """QoS shedding: a 429 when the pool's pods have more requests waiting on average than
