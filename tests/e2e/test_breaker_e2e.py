@@ -16,7 +16,8 @@ import yaml
 from extproc.launcher import LocalStack, StackInfo, StackOptions
 
 CONFIG = {
-    "pools": [{"name": "big", "simulate": 1}, {"name": "small", "simulate": 2}],
+    "pools": [{"name": "big", "simulate": 1},
+              {"name": "small", "simulate": 2, "degrade": {"timeout_s": {"default": 2.0}}}],
     "models": [{"name": "big-model", "pool": "big", "fallback": ["small-model"], "cache": {"ttl_s": 1}},
                {"name": "small-model", "pool": "small"}],
     "breakers": {"min_requests": 3, "open_s": 1.5, "probes": 2},
@@ -130,3 +131,10 @@ def test_a_pod_that_refuses_hands_the_request_to_the_fallback_model_before_the_f
         assert chunks[0].model == "small-model" and chunks[-1].choices[0].finish_reason is not None
     finally:
         _faults(chain, "big")
+
+
+def test_a_class_timeout_ends_a_request_that_runs_past_it(chain: StackInfo) -> None:
+    started = time.monotonic()
+    slow = _ask(chain, model="small-model", max_tokens=1000, ignore_eos=True)  # ~12 s of generation
+    assert slow.status_code == 504 and time.monotonic() - started < 10
+    assert slow.json()["error"]["type"] == "server_error"
