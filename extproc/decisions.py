@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from extproc.api import ApiError, Operation
@@ -90,6 +90,9 @@ class Lookup:
 
     key: bytes
     stale: bool = False  # no pod can answer: a stale copy will do (the fallback chain's last resort)
+    # For a key that keeps missing: how to fetch its answer once for every request waiting on it
+    # (``extproc.cache.warm``); built only when needed.
+    warm: Callable[[], object | None] | None = None
 
 
 Decision = Continue | Reply

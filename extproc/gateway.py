@@ -27,8 +27,9 @@ from extproc.api import OPERATIONS_BY_PATH, ApiError
 from extproc.auth import CHALLENGE, UNAUTHORIZED, authenticate
 from extproc.body import NO_RULES, BodyFacts, BodyLimits, Routing, analyze, with_model, with_served_model
 from extproc.catalog import model_card, models_list
-from extproc.config import GatewayConfig, Model, Pool
+from extproc.config import CacheSpec, GatewayConfig, Model, Pool
 from extproc.cache.answers import cache_key, render, usage_of
+from extproc.cache.warm import WarmUp
 from extproc.decisions import Admit, Analyze, Classify, Continue, Decision, Effect, Headers, Lookup, Reply, Step
 from extproc.keys import KeySnapshot
 from extproc.predict import OutputLengthPredictor
@@ -40,6 +41,7 @@ from extproc.quota.store import StoreUnavailable
 from extproc.routing.breaker import Breakers, BreakerSettings
 from extproc.routing.decision import CACHE_HEADER, Router, decision_of
 from extproc.routing.health import EndpointHealth
+from extproc.routing.picker import PickRequest
 from extproc.routing.picker import EndpointPicker
 from extproc.state import RequestState, new_state
 from extproc.telemetry.tracecontext import IdSource, continue_or_start, random_hex, request_id
@@ -338,7 +340,19 @@ class Gateway:
             return self.router.route(state, QOS_HEADER)
         partition = state.tenant.name if spec.partition == "tenant" and state.tenant is not None else ""
         state.cache_key = cache_key(facts.answer_digest, model.name, model.version, partition)  # type: ignore[arg-type]
-        return Lookup(state.cache_key)
+        return Lookup(state.cache_key, warm=lambda: self._warm_up(state, spec))
+
+    def _warm_up(self, state: RequestState, spec: CacheSpec) -> WarmUp | None:
+        """How a hot key's answer is fetched from a pod of the request's pool (not counted as a pick)."""
+        model, pool, facts = state.model, state.pool, state.facts
+        body = state.new_body or state.body
+        if model is None or pool is None or facts is None or body is None or state.path is None:
+            return None
+        request = PickRequest(model.name, facts.prefix, pool.picker, pool.draining, model.lora)
+        endpoint = self.router.picker.fallback(self.health.usable(pool.endpoints), "", request)
+        if endpoint is None:
+            return None
+        return WarmUp(state.path, body, endpoint, pool.credential, spec.ttl_s, spec.stale_ttl_s)
 
     def _looked_up(self, state: RequestState, effect: Lookup, stored: object) -> Decision:
         """The cache's answer: a hit is answered here, in the shape the client asked for; a miss

@@ -19,6 +19,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.api import ApiError
 from extproc.cache.store import ResponseCache
+from extproc.cache.warm import Warmer, WarmUp
 from extproc.decisions import PASS_THROUGH, Admit, Analyze, Classify, Continue, Decision, Effect, Lookup, Reply, Step
 from extproc.gateway import Gateway
 from extproc.offload import BodyAnalyzer
@@ -43,6 +44,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                  cache: ResponseCache | None = None) -> None:
         self.gateway = gateway
         self.cache = cache
+        self.warmer = Warmer(cache) if cache is not None else None
         self.store = store or MemoryStore()
         self.settlement = settlement or Settlement(gateway, self.store)
         self.analyzer = analyzer or BodyAnalyzer()
@@ -105,9 +107,18 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     async def _lookup(self, effect: Effect) -> object:
         assert isinstance(effect, Lookup)
-        if self.cache is None:
+        cache = self.cache
+        if cache is None:
             return None
-        return await (self.cache.stale(effect.key) if effect.stale else self.cache.lookup(effect.key))
+        if effect.stale:
+            return await cache.stale(effect.key)
+        hot = cache.hot(effect.key)  # it missed before: its answer is on its way, or could not be kept
+        value = await cache.lookup(effect.key)
+        if value is None and hot and self.warmer is not None and effect.warm is not None:
+            warm = effect.warm()
+            if isinstance(warm, WarmUp):
+                value = await self.warmer.answer(effect.key, warm)
+        return value
 
     async def _admit(self, effect: Effect) -> object:
         assert isinstance(effect, Admit)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from extproc.cache.filters import BloomFilter
+from extproc.cache.filters import BloomFilter, CuckooFilter
 
 log = logging.getLogger("llmgw.cache")
 CACHE_PATH_ENV = "LLMGW_CACHE_PATH"
@@ -66,6 +66,7 @@ class CacheCounters:
     hits: int = 0
     stored: int = 0
     errors: int = 0  # the store failed: a miss
+    warmed: int = 0  # hot keys fetched from a pod in the background (``Warmer``)
 
 
 class ResponseCache:
@@ -76,6 +77,9 @@ class ResponseCache:
         self.backend = backend
         self.bloom = bloom or BloomFilter()
         self.guard = guard  # False: the filter is kept but not consulted (every lookup reaches the store)
+        # Keys that missed and have not been stored since: a key found here misses again ("hot").
+        # A cuckoo filter, as keys leave it when their answer is stored.
+        self.missing = CuckooFilter(capacity=1 << 16)
         self.counters = CacheCounters()
         self._clock = clock
         self.ready = asyncio.Event()  # the filter holds every key stored before the process started
@@ -84,6 +88,7 @@ class ResponseCache:
         """A fresh stored answer, or None (a miss: never an exception, a failing store is a miss)."""
         if self.guard and key not in self.bloom and self.ready.is_set():
             self.counters.filtered += 1
+            self._missed(key)
             return None
         try:
             entry = await self.backend.get(key)
@@ -93,9 +98,18 @@ class ResponseCache:
             return None
         if entry is None or entry[1] <= self._clock() * 1000:
             self.counters.misses += 1
+            self._missed(key)
             return None
         self.counters.hits += 1
         return entry[0]
+
+    def hot(self, key: bytes) -> bool:
+        """The key missed before, and nothing was stored under it since."""
+        return key in self.missing
+
+    def _missed(self, key: bytes) -> None:
+        if key not in self.missing and not self.missing.is_full:
+            self.missing.add(key)
 
     async def stale(self, key: bytes) -> bytes | None:
         """A stored answer, fresh or not (the fallback path's last resort)."""
@@ -113,6 +127,8 @@ class ResponseCache:
         await self.backend.put(key, value, now_ms + int(ttl_s * 1000), max(1, int((ttl_s + stale_ttl_s) * 1000)))
         self.bloom.add(key)
         self.counters.stored += 1
+        if key in self.missing:
+            self.missing.remove(key)
 
     async def follow(self) -> None:
         """Fill the filter with the keys stored so far, then add each one announced, forever."""
@@ -126,7 +142,11 @@ class ResponseCache:
                 await asyncio.sleep(1.0)
         while True:
             try:
-                self.bloom.add_many(await self.backend.added())
+                added = await self.backend.added()
+                self.bloom.add_many(added)
+                for key in added:  # stored by another process: no longer missing here
+                    if key in self.missing:
+                        self.missing.remove(key)
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # noqa: BLE001 (a gap: those keys are misses until announced again)

@@ -83,7 +83,7 @@ class GatewayMetrics:
                                 "as unknown to the picker)", registry=self.registry, multiprocess_mode="max")
         self.cache = Counter("llmgw_cache_lookups", "Response cache lookups: hit, miss (the store had no fresh "
                              "entry), filtered (the Bloom filter knew the key does not exist: no round trip), "
-                             "error (the store failed: a miss)", ("outcome",), registry=self.registry)
+                             "error (the store failed: a miss), warmed (a hot key fetched once for the requests waiting on it)", ("outcome",), registry=self.registry)
         self.cache_stored = Counter("llmgw_cache_stored", "Answers stored in the response cache", registry=self.registry)
         self._cache_seen: dict[str, int] = {}
         self.breaker_state = Gauge("llmgw_circuit_breaker_state", "Circuit breakers as this worker sees them: 0 "
@@ -131,7 +131,7 @@ class GatewayMetrics:
         counters, and how many pods the picker knows (called once a second)."""
         if cache is not None:
             for outcome, count in (("hit", cache.hits), ("miss", cache.misses), ("filtered", cache.filtered),
-                                   ("error", cache.errors), ("stored", cache.stored)):
+                                   ("error", cache.errors), ("warmed", cache.warmed), ("stored", cache.stored)):
                 metric = self.cache_stored if outcome == "stored" else self.cache.labels(outcome)
                 metric.inc(count - self._cache_seen.get(outcome, 0))
                 self._cache_seen[outcome] = count

@@ -8,7 +8,9 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import orjson
 import pytest
@@ -31,7 +33,7 @@ CONFIG = {
 def cached(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
     # Two workers: the answer is stored by whichever settles the miss, and found by either.
     with small_stack(tmp_path_factory, "cache", pods=1, extra_config=CONFIG, workers=2,
-                     sim_args=("--seed", "3")) as info:
+                     sim_args=("--seed", "3", "--record", "1000")) as info:
         yield info
 
 
@@ -102,3 +104,28 @@ def test_a_hit_counts_against_requests_not_tokens_and_reaches_the_ledger(cached:
             break
         time.sleep(0.05)
     assert hits and all(r["cost_usd"] == 0 and r["status"] == 200 and r["output_tokens"] > 0 for r in hits)
+
+
+def test_a_stampede_of_one_request_is_answered_by_a_few_generations(cached: StackInfo) -> None:
+    pod = cached.pod_urls["local"][0]
+    text = "cache me: a stampede of the same question"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 48,
+            "temperature": 0, "ignore_eos": True}  # ~0.6 s of generation: the others arrive meanwhile
+
+    def generations() -> int:
+        recorded = httpx.get(f"{pod}/debug/requests", timeout=5).json()["requests"]
+        return sum(1 for r in recorded if text in orjson.dumps(r).decode())
+
+    def ask(_: int) -> httpx.Response:
+        return httpx.post(f"{cached.base_url}/v1/chat/completions", json=body, timeout=60,
+                          headers={"authorization": f"Bearer {KEY_A}"})
+
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(ask, range(12)))
+    assert all(a.status_code == 200 for a in answers)
+    contents = {a.json()["choices"][0]["message"]["content"] for a in answers}
+    assert len(contents) == 1  # one answer for all
+    # Each worker sends the first miss on, then fetches the hot key once for everyone waiting (a
+    # slow machine may need another warm-up while an answer stored elsewhere is announced).
+    assert generations() <= len(answers) // 2
+    assert sum(a.headers.get("x-llmgw-cache") == "hit" for a in answers) >= len(answers) // 2
