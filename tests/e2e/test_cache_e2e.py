@@ -6,8 +6,9 @@ counts against the tenant's request limit and not its tokens, and goes to the le
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -43,9 +44,16 @@ def _client(info: StackInfo, key: str) -> openai.OpenAI:
 
 def _ask(info: StackInfo, key: str, text: str, **extra: object) -> tuple[dict[str, str], object]:
     raw = _client(info, key).chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=12, temperature=0, **extra)
+        model=MODEL, messages=[{"role": "user", "content": text}], temperature=0, **{"max_tokens": 12, **extra})
     parsed = raw.parse()
     return dict(raw.headers), (list(parsed) if extra.get("stream") else parsed)
+
+
+def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "not within the time allowed"
+        time.sleep(0.02)
 
 
 def _until_hit(info: StackInfo, key: str, text: str, **extra: object) -> tuple[dict[str, str], object]:
@@ -129,3 +137,48 @@ def test_a_stampede_of_one_request_is_answered_by_a_few_generations(cached: Stac
     # slow machine may need another warm-up while an answer stored elsewhere is announced).
     assert generations() <= len(answers) // 2
     assert sum(a.headers.get("x-llmgw-cache") == "hit" for a in answers) >= len(answers) // 2
+
+
+class _CacheReads:
+    """Redis's MONITOR, in a thread: the commands that read the response cache's entries."""
+
+    def __init__(self, url: str) -> None:
+        import redis
+
+        self._monitor = redis.Redis.from_url(url).monitor()
+        self._monitor.__enter__()
+        self.reads: list[str] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for command in self._monitor.listen():
+                if "llmgw:rc:e:" in command["command"] and command["command"].startswith("GET"):
+                    self.reads.append(command["command"])
+        except Exception:  # noqa: BLE001 (the connection closes when the test is done)
+            pass
+
+    def close(self) -> None:
+        self._monitor.connection.disconnect()
+        self._thread.join(5)
+
+
+def test_a_flood_of_never_seen_prompts_never_reaches_redis_past_the_bloom_filter(
+        tmp_path_factory: pytest.TempPathFactory, own_redis_server) -> None:  # noqa: ANN001
+    config = {**CONFIG, "redis_url": own_redis_server.url}
+    with small_stack(tmp_path_factory, "cache-redis", pods=1, extra_config=config, workers=2) as info:
+        text = "cache me in redis: a known question"
+        _ask(info, KEY_A, text)
+        assert _until_hit(info, KEY_A, text)[0]["x-llmgw-cache"] == "hit"  # stored by one worker, found by both
+        reads = _CacheReads(own_redis_server.url)
+        try:
+            for i in range(60):  # never-seen deterministic prompts: each a miss the filter answers
+                flood = f"flood {i} {time.monotonic_ns()}"
+                assert _ask(info, KEY_A, flood, max_tokens=1)[0]["x-llmgw-cache"] == "miss"
+            _ask(info, KEY_A, text)  # a known key does go to Redis: the monitor sees it
+            _until(lambda: len(reads.reads) >= 1)
+        finally:
+            reads.close()
+        # At 1 MiB and k = 3 with a handful of keys, a false positive is about one in 10^10.
+        assert len(reads.reads) == 1, reads.reads
