@@ -44,12 +44,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 import yaml
 from rich.console import Console
 from rich.progress import Progress
 
-from bench.common import calibration_ms
+from bench.common import calibration_ms, emit
 from extproc.cache.semantic import (
     DEFAULT_CANDIDATES,
     DEFAULT_CAPACITY,
@@ -458,7 +457,7 @@ def main() -> None:
                           == (best["embedder"], best["threshold"])}
     result["calibration_ms"] = {"before": before, "after": calibration_ms()}
     plot(result, curves, PLOT)
-    print(orjson.dumps(result).decode(), flush=True)
+    emit("cache_semantic", result)
 
 
 if __name__ == "__main__":
