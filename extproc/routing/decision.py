@@ -105,7 +105,9 @@ class Router:
             set_headers.append(("x-envoy-upstream-rq-timeout-ms", str(int(timeout * 1000))))
         if spare is not None:  # envoy.yaml: llm_pods' upstream Lua filter rewrites that attempt's model
             set_headers.append((SPARE_HEADER, spare))
-            set_headers.append(("x-envoy-max-retries", str(len(hosts) - 1)))
+        # One attempt per host listed: a retry past them would go to Envoy's fallback policy, which
+        # may pick a pod of another pool (one that does not serve the model: a 404).
+        set_headers.append(("x-envoy-max-retries", str(len(hosts) - 1)))
         if batch is not None:
             set_headers.append((BATCH_HEADER, batch))
             set_headers.append((INPUT_TOKENS_HEADER, str(facts.input_tokens)))
