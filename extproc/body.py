@@ -63,6 +63,9 @@ class BodyFacts:
     score: float | None = None  # its cosine similarity
     batchable: bool = False  # may share one merged call to a pod (see ``can_batch``)
     answer_digest: bytes | None = None  # a deterministic request's answer-defining fields (``answer_digest``)
+    # For the semantic cache: the last user turn, and the digest of everything else that defines the answer
+    semantic_text: str = ""
+    context_digest: bytes | None = None
 
 
 # Fields that do not change a generation's answer: who asks, how it is delivered, what is stored.
@@ -79,6 +82,22 @@ def answer_digest(path: str, raw: Mapping[str, object]) -> bytes | None:
         return None
     defining = {k: v for k, v in raw.items() if k not in _DELIVERY_FIELDS}
     return hashlib.sha256(path.encode() + b"\n" + orjson.dumps(defining, option=orjson.OPT_SORT_KEYS)).digest()
+
+
+def context_digest(path: str, raw: Mapping[str, object]) -> tuple[str, bytes | None]:
+    """The last user turn (text only), and SHA-256 of everything else ``answer_digest`` covers:
+    requests that differ only in how their last question is worded share the digest."""
+    messages = raw.get("messages")
+    if isinstance(messages, list) and messages and isinstance(messages[-1], dict) \
+            and messages[-1].get("role") == "user" and isinstance(messages[-1].get("content"), str):
+        text = messages[-1]["content"]
+        rest = {**raw, "messages": messages[:-1]}
+    elif isinstance(raw.get("prompt"), str):
+        text, rest = raw["prompt"], {**raw, "prompt": None}
+    else:
+        return "", None
+    defining = {k: v for k, v in rest.items() if k not in _DELIVERY_FIELDS}
+    return text, hashlib.sha256(path.encode() + b"\n" + orjson.dumps(defining, option=orjson.OPT_SORT_KEYS)).digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +133,7 @@ def analyze(operation: Operation, body: bytes, served_names: Mapping[str, str], 
     parsed = validate(operation, raw)
     request = parsed.model
     digest = answer_digest(operation.path, raw) if not isinstance(request, EmbeddingRequest) else None
+    semantic_text, context = context_digest(operation.path, raw) if digest is not None else ("", None)
     served = served_names.get(request.model)
     stream = bool(getattr(request, "stream", False))
     counters = estimators or {}
@@ -154,6 +174,7 @@ def analyze(operation: Operation, body: bytes, served_names: Mapping[str, str], 
         output_limit=request.output_limit, embedding=isinstance(request, EmbeddingRequest),
         input_tokens=input_tokens, strip_usage=strip_usage and served is not None, features=features,
         rule=rule, pool=pool, prefix=prefix, intent_text=text, batchable=can_batch(raw), answer_digest=digest,
+        semantic_text=semantic_text, context_digest=context,
     )
     # Depth is bounded (max_depth < orjson's 254 levels), so dumps cannot raise here.
     return facts, (orjson.dumps(raw) if changed else None)

@@ -155,8 +155,20 @@ class CacheSpec(_Strict):
     stale_ttl_s: Annotated[float, Field(ge=0, le=365 * 86400)] = 86400.0
     partition: Literal["tenant", "global"] = "tenant"  # tenant: one tenant never sees another's answers
     charge_tokens: bool = False  # a hit counts against the tenant's request limits; its tokens too if true
+    semantic: SemanticCacheSpec | None = None  # also answer paraphrases (opt-in)
     # Larger answers are not kept (Envoy's Lua filter hands over at most 1 MiB of a response).
     max_entry_bytes: Annotated[int, Field(ge=1024, le=1 << 20)] = 256 * 1024
+
+
+class SemanticCacheSpec(_Strict):
+    """Paraphrases of a cached request answered with its answer (``extproc.cache.semantic``): the
+    last user turn is embedded and matched, at ``threshold``, among requests of the same tenant
+    whose other fields (the conversation before it, parameters, model) are the same; a guard
+    refuses pairs that differ in numbers, negation, names, format, direction or task."""
+
+    embedder: Literal["minilm", "hybrid", "hashing"] = "minilm"
+    threshold: Annotated[float, Field(gt=0, le=1)] = 0.80
+    capacity: Annotated[int, Field(ge=1, le=1_000_000)] = 10_000  # prompts remembered per partition
 
 
 class ResponseCacheSpec(_Strict):

@@ -93,6 +93,16 @@ class Lookup:
     # For a key that keeps missing: how to fetch its answer once for every request waiting on it
     # (``extproc.cache.warm``); built only when needed.
     warm: Callable[[], object | None] | None = None
+    # The semantic cache: (partition, the last user turn, its settings); None: exact keys only.
+    semantic: tuple[str, str, object] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SemanticHit:
+    """What a ``Lookup`` found for a paraphrase: the stored answer and the match's cosine."""
+
+    value: bytes
+    score: float
 
 
 Decision = Continue | Reply

@@ -12,6 +12,7 @@ against the quota store); the shell runs it and hands the result to ``resume``.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Mapping
@@ -30,7 +31,19 @@ from extproc.catalog import model_card, models_list
 from extproc.config import CacheSpec, GatewayConfig, Model, Pool
 from extproc.cache.answers import cache_key, render, usage_of
 from extproc.cache.warm import WarmUp
-from extproc.decisions import Admit, Analyze, Classify, Continue, Decision, Effect, Headers, Lookup, Reply, Step
+from extproc.decisions import (
+    Admit,
+    Analyze,
+    Classify,
+    Continue,
+    Decision,
+    Effect,
+    Headers,
+    Lookup,
+    Reply,
+    SemanticHit,
+    Step,
+)
 from extproc.keys import KeySnapshot
 from extproc.predict import OutputLengthPredictor
 from extproc.qos import QOS_HEADER, choose_qos
@@ -340,7 +353,12 @@ class Gateway:
             return self.router.route(state, QOS_HEADER)
         partition = state.tenant.name if spec.partition == "tenant" and state.tenant is not None else ""
         state.cache_key = cache_key(facts.answer_digest, model.name, model.version, partition)  # type: ignore[arg-type]
-        return Lookup(state.cache_key, warm=lambda: self._warm_up(state, spec))
+        semantic = None
+        if spec.semantic is not None and facts.context_digest is not None and facts.semantic_text:
+            partition = hashlib.sha256(b"\0".join((facts.context_digest, model.name.encode(), model.version.encode(),
+                                                    partition.encode()))).hexdigest()
+            semantic = (partition, facts.semantic_text, spec.semantic)
+        return Lookup(state.cache_key, warm=lambda: self._warm_up(state, spec), semantic=semantic)
 
     def _warm_up(self, state: RequestState, spec: CacheSpec) -> WarmUp | None:
         """How a hot key's answer is fetched from a pod of the request's pool (not counted as a pick)."""
@@ -359,6 +377,10 @@ class Gateway:
         (or a cache that failed: ``stored`` is then the exception) is routed, and its answer stored."""
         state.end("cache")
         stale = isinstance(effect, Lookup) and effect.stale
+        match: tuple[tuple[str, str], ...] = ()
+        if isinstance(stored, SemanticHit):
+            match = (("x-llmgw-cache-match", f"semantic; score={stored.score:.3f}"),)
+            stored = stored.value
         if not isinstance(stored, bytes):
             if stale:
                 assert state.pool is not None
@@ -370,7 +392,7 @@ class Gateway:
         state.cached, state.cache_stale, state.new_body = stored, stale, None
         body, content_type = render(stored, facts.model, facts.stream, include_usage=not facts.strip_usage)
         return Reply(200, body, (("content-type", content_type), (CACHE_HEADER, CACHE_STALE if stale else CACHE_HIT),
-                                 *state.identity_headers(), *state.rate_headers))
+                                 *match, *state.identity_headers(), *state.rate_headers))
 
     def cache_record(self, state: RequestState) -> tuple[RequestRecord, bool]:
         """The record of a request the cache answered, and whether its tokens are charged."""

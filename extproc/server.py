@@ -20,7 +20,21 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from extproc.api import ApiError
 from extproc.cache.store import ResponseCache
 from extproc.cache.warm import Warmer, WarmUp
-from extproc.decisions import PASS_THROUGH, Admit, Analyze, Classify, Continue, Decision, Effect, Lookup, Reply, Step
+from extproc.cache.semantic import SemanticIndexes
+from extproc.config import SemanticCacheSpec
+from extproc.decisions import (
+    PASS_THROUGH,
+    Admit,
+    Analyze,
+    Classify,
+    Continue,
+    Decision,
+    Effect,
+    Lookup,
+    Reply,
+    SemanticHit,
+    Step,
+)
 from extproc.gateway import Gateway
 from extproc.offload import BodyAnalyzer
 from extproc.routing.classifier import IntentClassifier
@@ -45,6 +59,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self.gateway = gateway
         self.cache = cache
         self.warmer = Warmer(cache) if cache is not None else None
+        self.semantic = SemanticIndexes()
         self.store = store or MemoryStore()
         self.settlement = settlement or Settlement(gateway, self.store)
         self.analyzer = analyzer or BodyAnalyzer()
@@ -114,11 +129,35 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             return await cache.stale(effect.key)
         hot = cache.hot(effect.key)  # it missed before: its answer is on its way, or could not be kept
         value = await cache.lookup(effect.key)
+        if value is None and effect.semantic is not None:
+            found = await self._paraphrase(cache, effect)
+            if found is not None:
+                return found
         if value is None and hot and self.warmer is not None and effect.warm is not None:
             warm = effect.warm()
             if isinstance(warm, WarmUp):
                 value = await self.warmer.answer(effect.key, warm)
         return value
+
+    async def _paraphrase(self, cache: ResponseCache, effect: Lookup) -> SemanticHit | None:
+        """The semantic cache: the answer of an earlier request asking the same thing in other words
+        (embedded in this process's embedding thread); else this request is remembered for later ones."""
+        assert effect.semantic is not None
+        partition, text, spec = effect.semantic
+        assert isinstance(spec, SemanticCacheSpec)
+        try:
+            index = await self.semantic.index(spec)
+            prompt = await self.semantic.run(index.prepare, text)
+        except Exception as error:  # noqa: BLE001 (the embedder failed: exact keys only)
+            log.warning("semantic cache unavailable: %s", str(error) or type(error).__name__)
+            return None
+        match = index.match(partition, prompt)
+        if match is not None and match.key != effect.key:
+            value = await cache.lookup(match.key)
+            if value is not None:
+                return SemanticHit(value, match.score)
+        index.add(partition, prompt, effect.key)
+        return None
 
     async def _admit(self, effect: Effect) -> object:
         assert isinstance(effect, Admit)

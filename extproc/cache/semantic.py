@@ -73,10 +73,13 @@ import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any, TypeVar
 
 import numpy as np
 
 from extproc.routing.embedders import Embedder
+
+T = TypeVar("T")
 
 # Chosen by bench/cache_semantic.py: the best recall on the tune split at precision >= 99%, for
 # single pairs and in a crowded partition. Single pairs alone would pick 0.63, where a partition
@@ -1156,3 +1159,32 @@ class SemanticIndex:
         with self._lock:
             part = self._partitions.get(partition)
             return 0 if part is None else part.size
+
+
+class SemanticIndexes:
+    """The semantic indexes of one process, one per setting (embedder, threshold, capacity), and
+    the one thread that embeds for them: embedding (MiniLM, ~8 ms a prompt) never runs on the event
+    loop, and the model is loaded there on first use."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="llmgw-semantic")
+        self._indexes: dict[tuple[str, float, int], SemanticIndex] = {}
+
+    async def index(self, spec: Any) -> SemanticIndex:
+        """The index for ``spec`` (a ``SemanticCacheSpec``), built (its embedder loaded) on first use."""
+        key = (spec.embedder, spec.threshold, spec.capacity)
+        index = self._indexes.get(key)
+        if index is None:
+            from extproc.routing.embedders import build_embedder
+
+            embedder = await self.run(build_embedder, spec.embedder)
+            index = self._indexes.setdefault(key, SemanticIndex(embedder, spec.threshold, spec.capacity))
+        return index
+
+    async def run(self, work: Callable[..., T], *args: Any) -> T:
+        """``work(*args)`` in the embedding thread."""
+        import asyncio
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, work, *args)

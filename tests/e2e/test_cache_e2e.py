@@ -182,3 +182,31 @@ def test_a_flood_of_never_seen_prompts_never_reaches_redis_past_the_bloom_filter
             reads.close()
         # At 1 MiB and k = 3 with a handful of keys, a false positive is about one in 10^10.
         assert len(reads.reads) == 1, reads.reads
+
+
+def test_a_paraphrase_gets_the_cached_answer_and_a_different_question_does_not(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    # One worker: each worker process keeps its own semantic index (a paraphrase reaching another
+    # worker is a miss there, for now).
+    config = {**CONFIG, "models": [{"name": MODEL, "pool": "local", "cache": {"ttl_s": 300, "semantic": {}}}]}
+    with small_stack(tmp_path_factory, "paraphrase", pods=1, extra_config=config) as info:
+        _paraphrases(info)
+
+
+def _paraphrases(cached: StackInfo) -> None:
+    def ask(text: str) -> tuple[dict[str, str], object]:
+        raw = _client(cached, KEY_A).chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=12, temperature=0)
+        return dict(raw.headers), raw.parse()
+
+    headers, first = ask("What is the capital city of France?")
+    assert headers["x-llmgw-cache"] == "miss"
+    deadline = time.monotonic() + 20
+    while True:  # the first answer is stored once its access-log entry is settled
+        headers, again = ask("what's the capital of France")
+        if headers.get("x-llmgw-cache") == "hit" or time.monotonic() > deadline:
+            break
+    assert headers["x-llmgw-cache"] == "hit" and headers["x-llmgw-cache-match"].startswith("semantic; score=")
+    assert again.choices[0].message.content == first.choices[0].message.content  # type: ignore[attr-defined]
+    other, _ = ask("What is the capital city of Spain?")  # close in meaning, another answer: the guard says no
+    assert other["x-llmgw-cache"] == "miss"
