@@ -315,12 +315,8 @@ class Gateway:
 
     def _unavailable(self, state: RequestState, pool: Pool) -> Step:
         """No pool can serve the request: a stale copy of its answer if the cache has one, else 503."""
-        facts, model = state.facts, state.model
-        assert facts is not None and model is not None
-        spec = self.config.cache_for(facts.rule, model) if facts.answer_digest is not None else None
-        if spec is not None:
-            partition = state.tenant.name if spec.partition == "tenant" and state.tenant is not None else ""
-            state.cache_key = cache_key(facts.answer_digest, model.name, model.version, partition)  # type: ignore[arg-type]
+        spec, _ = self._keyed(state)
+        if spec is not None and state.cache_key is not None:
             return Lookup(state.cache_key, stale=True)
         return self._no_pool(state, pool)
 
@@ -348,17 +344,27 @@ class Gateway:
         """Admitted: a cacheable request is looked up first (``Lookup``); the others are routed."""
         facts, model = state.facts, state.model
         assert facts is not None and model is not None
-        spec = self.config.cache_for(facts.rule, model) if facts.answer_digest is not None else None
-        if spec is None:
+        spec, partition = self._keyed(state)
+        if spec is None or state.cache_key is None:
             return self.router.route(state, QOS_HEADER)
-        partition = state.tenant.name if spec.partition == "tenant" and state.tenant is not None else ""
-        state.cache_key = cache_key(facts.answer_digest, model.name, model.version, partition)  # type: ignore[arg-type]
         semantic = None
         if spec.semantic is not None and facts.context_digest is not None and facts.semantic_text:
             partition = hashlib.sha256(b"\0".join((facts.context_digest, model.name.encode(), model.version.encode(),
                                                     partition.encode()))).hexdigest()
             semantic = (partition, facts.semantic_text, spec.semantic)
         return Lookup(state.cache_key, warm=lambda: self._warm_up(state, spec), semantic=semantic)
+
+    def _keyed(self, state: RequestState) -> tuple[CacheSpec | None, str]:
+        """The cache of a deterministic request (None: not cached) and its partition ("" for a
+        cache shared by all tenants); its key goes in ``state.cache_key``."""
+        facts, model = state.facts, state.model
+        assert facts is not None and model is not None
+        spec = self.config.cache_for(facts.rule, model) if facts.answer_digest is not None else None
+        if spec is None or facts.answer_digest is None:
+            return None, ""
+        partition = state.tenant.name if spec.partition == "tenant" and state.tenant is not None else ""
+        state.cache_key = cache_key(facts.answer_digest, model.name, model.version, partition)
+        return spec, partition
 
     def _warm_up(self, state: RequestState, spec: CacheSpec) -> WarmUp | None:
         """How a hot key's answer is fetched from a pod of the request's pool (not counted as a pick)."""
