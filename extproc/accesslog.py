@@ -105,7 +105,6 @@ def response_facts(entry: al.HTTPAccessLogEntry, lua: Mapping[str, Any]) -> Resp
         first_event_ns=int(first_event * 1_000_000) if first_event is not None else None,
         streamed=bool(lua.get("sse", False)),
         retry_after_s=_retry_after(entry.response.response_headers.get("retry-after", "")),
-        fallback_model=str(lua["fallback_model"]) if lua.get("fallback_model") else None,
         body=lua["body"].encode() if isinstance(lua.get("body"), str) and not lua.get("body_cut") else None)
 
 

@@ -182,7 +182,6 @@ class ResponseFacts:
     streamed: bool = False
     body: bytes | None = None  # the response body, captured for the response cache (a miss's)
     retry_after_s: float | None = None  # the pod's retry-after header, if it sent one
-    fallback_model: str | None = None  # Envoy's last attempt went to the fallback model (its pods refused)
 
 
 @dataclass(frozen=True, slots=True)

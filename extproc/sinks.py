@@ -64,8 +64,9 @@ class Settlement:
         if not self._first(decision.id):
             self.duplicates += 1
             return None
-        # Priced as the model that answered: the fallback's when Envoy's last attempt went to it.
-        spare = response.fallback_model or self._spare_model(decision, response.upstream)
+        # Priced as the model that answered: the fallback's when Envoy's last attempt went to it (the
+        # pod that answered is one of its pool's; an upstream filter's metadata never reaches the log).
+        spare = self._spare_model(decision, response.upstream)
         model = self.gateway.config.lookup(spare or decision.served_model)
         record = build_record(decision, response, model.prices if model is not None else None)
         self.gateway.router.ended(decision.id)
