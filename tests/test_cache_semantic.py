@@ -173,6 +173,17 @@ GUARD = [
     ("Is Paris bigger than London?", "Is London bigger than Paris?", "direction"),
     # task: both name an operation on the same input, not the same one
     ("Summarize this: the cat sat on the mat.", "Translate this: the cat sat on the mat.", "task"),
+    # question: what each question asks for (who, when, where, why, how many, how), from its first word
+    ("Who painted the Sistine Chapel ceiling?", "When was the Sistine Chapel ceiling painted?", "question"),
+    ("¿Dónde nació Cervantes?", "¿Cuándo nació Cervantes?", "question"),
+    ("How does a heat pump work?", "Why does a heat pump work in winter?", "question"),
+    ("谁发明了电话？", "电话是什么时候发明的？", "question"),
+    # an implicit negative: "avoid X" is "do not X"
+    ("Which foods are recommended during pregnancy?", "Which foods should be avoided during pregnancy?",
+     "polarity"),
+    # the currency after whose it is ("US dollars"), as the unit and as the target
+    ("Convert 100 euros to US dollars.", "Convert 100 US dollars to euros.", "numbers"),
+    ("How much is 20 Hong Kong dollars in euros?", "Convert 20 HK dollars to EUR", None),
     # edit: the same words but one short stretch with another meaning
     ("What is the time complexity of quicksort?", "What is the space complexity of quicksort?", "edit"),
     ("What's the square root of 144?", "What is the square root of 144", None),  # function words only
@@ -189,6 +200,18 @@ GUARD = [
 def test_guard_rules(a: str, b: str, rule: str | None) -> None:
     assert disagreement(facts(a), facts(b)) == rule
     assert disagreement(facts(b), facts(a)) == rule  # symmetric
+
+
+@pytest.mark.parametrize(("text", "asks"), [
+    ("What year did the Berlin Wall fall?", {"time"}),  # "what year" is a time
+    ("What happens when you heat ice?", set()),  # "when" inside a sentence: a conjunction
+    ("How many moons does Mars have? And why?", {"quantity", "reason"}),
+    ("Patient question: Where is the pharmacy?", {"place"}),
+    ("¿Por qué el cielo es azul?", {"reason"}),
+    ("Wie lange dauert der Flug?", {"duration"}),
+])
+def test_what_questions_ask_for(text: str, asks: set[str]) -> None:
+    assert facts(text).asks == asks
 
 
 def test_facts_of_a_prompt() -> None:
