@@ -24,7 +24,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.accesslog import AccessLogReceiver
 from extproc.cache.filters import BloomFilter
-from extproc.cache.store import CACHE_PATH_ENV, RedisBackend, ResponseCache, SqliteBackend
+from extproc.cache.store import CACHE_PATH_ENV, HotKeys, RedisBackend, ResponseCache, SqliteBackend
 from extproc.config import LEDGER_PATH_ENV, QUOTA_PATH_ENV, ConfigError, GatewayConfig, load_config
 from extproc.gateway import Gateway
 from extproc.keys import RedisKeyTable
@@ -74,12 +74,13 @@ def build_cache(config: GatewayConfig) -> ResponseCache | None:
         return None
     spec = config.response_cache
     bloom = BloomFilter(spec.bloom_bits, spec.bloom_hashes)
+    hot = HotKeys(spec.hot_keys, spec.hot_min_hits)
     if config.redis_url is not None:
-        return ResponseCache(RedisBackend(config.redis_url), bloom, guard=spec.guard)
+        return ResponseCache(RedisBackend(config.redis_url), bloom, guard=spec.guard, hot=hot)
     path = spec.local_path or os.environ.get(CACHE_PATH_ENV)
     if path is None:
         log.warning("no response_cache.local_path nor %s: each extproc process caches alone", CACHE_PATH_ENV)
-    return ResponseCache(SqliteBackend(path), bloom, guard=spec.guard)
+    return ResponseCache(SqliteBackend(path), bloom, guard=spec.guard, hot=hot)
 
 
 def build_ledger(config: GatewayConfig) -> LedgerSink | None:
@@ -104,7 +105,7 @@ def build_tracing(config: GatewayConfig) -> tuple[RequestTracer | None, Sampler 
 
 def build_server(config: GatewayConfig, gateway: Gateway, store: QuotaStore, settlement: Settlement,
                  analyzer: BodyAnalyzer | None = None, classifier: IntentClassifier | None = None,
-                 cache: ResponseCache | None = None) -> tuple[grpc.aio.Server, AccessLogReceiver]:
+                 cache: ResponseCache | None = None) -> tuple[grpc.aio.Server, ExternalProcessor]:
     """A grpc.aio server carrying both services; messages as large as Envoy may buffer."""
     # At least what Envoy may buffer (per_connection_buffer_limit_bytes in envoy.yaml), so that an
     # oversize chunked body reaches the gateway and gets an OpenAI-style 413, not a gRPC error.
@@ -117,11 +118,10 @@ def build_server(config: GatewayConfig, gateway: Gateway, store: QuotaStore, set
             ("grpc.max_concurrent_streams", 10000),
         ]
     )
-    pb_grpc.add_ExternalProcessorServicer_to_server(
-        ExternalProcessor(gateway, store, settlement, analyzer, classifier, cache), server)
-    receiver = AccessLogReceiver(settlement)
-    als_pb2_grpc.add_AccessLogServiceServicer_to_server(receiver, server)
-    return server, receiver
+    processor = ExternalProcessor(gateway, store, settlement, analyzer, classifier, cache)
+    pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogReceiver(settlement), server)
+    return server, processor
 
 
 async def configure_intents(classifier: IntentClassifier, config: GatewayConfig) -> None:
@@ -203,7 +203,7 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     settlement = Settlement(gateway, store, ledger, metrics, tracer, cache)
     analyzer, classifier = BodyAnalyzer(), IntentClassifier()
     await configure_intents(classifier, config)  # before serving: "auto" is routed from the first request
-    server, _ = build_server(config, gateway, store, settlement, analyzer, classifier, cache)
+    server, processor = build_server(config, gateway, store, settlement, analyzer, classifier, cache)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     ready(bound)
@@ -220,12 +220,13 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     keeper = asyncio.create_task(housekeeping(gateway, settlement, metrics, store, ledger, classifier,
                                               states if scrape.enabled else None, cache))
     follower = asyncio.create_task(cache.follow()) if cache is not None else None
+    sharer = asyncio.create_task(processor.sharing.follow()) if processor.sharing is not None else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    for task in (watcher, key_watcher, keeper, prober, warming, gatherer, follower):
+    for task in (watcher, key_watcher, keeper, prober, warming, gatherer, follower, sharer):
         if task is not None:
             task.cancel()
     await server.stop(grace=5)  # Envoy's access-log streams end here: their last entries are settled

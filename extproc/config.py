@@ -173,12 +173,17 @@ class SemanticCacheSpec(_Strict):
 
 class ResponseCacheSpec(_Strict):
     """The node-wide side of the response cache: the penetration guard's Bloom filter of keys
-    that exist (checked before the store: a key it has never seen costs no round trip)."""
+    that exist (checked before the store: a key it has never seen costs no round trip), and the
+    hot-key allow-list."""
 
     guard: bool = True  # false: every lookup goes to the store (to measure what the guard saves)
     bloom_bits: Annotated[int, Field(ge=8, le=1 << 33, multiple_of=8)] = 8 * 2 ** 20  # m = 1 MiB
     bloom_hashes: Annotated[int, Field(ge=1, le=16)] = 3  # k
     local_path: str | None = None  # SQLite file shared by this node's workers without Redis (else LLMGW_CACHE_PATH)
+    # The hot-key allow-list: answers of keys hit at least hot_min_hits times lately, kept in each
+    # process (at most hot_keys; 0: none) and answered without a round trip to the store.
+    hot_keys: Annotated[int, Field(ge=0, le=1_000_000)] = 1000
+    hot_min_hits: Annotated[int, Field(ge=1)] = 3
 
 
 class BreakerSpec(_Strict):

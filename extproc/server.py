@@ -21,6 +21,7 @@ from extproc.api import ApiError
 from extproc.cache.store import ResponseCache
 from extproc.cache.warm import Warmer, WarmUp
 from extproc.cache.semantic import SemanticIndexes
+from extproc.cache.sharing import PromptSharing
 from extproc.config import SemanticCacheSpec
 from extproc.decisions import (
     PASS_THROUGH,
@@ -55,11 +56,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     def __init__(self, gateway: Gateway, store: QuotaStore | None = None, settlement: Settlement | None = None,
                  analyzer: BodyAnalyzer | None = None, classifier: IntentClassifier | None = None,
-                 cache: ResponseCache | None = None) -> None:
+                 cache: ResponseCache | None = None, semantic: SemanticIndexes | None = None) -> None:
         self.gateway = gateway
         self.cache = cache
         self.warmer = Warmer(cache) if cache is not None else None
-        self.semantic = SemanticIndexes()
+        self.semantic = semantic or SemanticIndexes()
+        # The prompts of stored answers, shared by every process; ``follow()`` it to receive them.
+        self.sharing = PromptSharing(self.semantic, cache) if cache is not None else None
         self.store = store or MemoryStore()
         self.settlement = settlement or Settlement(gateway, self.store)
         self.analyzer = analyzer or BodyAnalyzer()
@@ -141,8 +144,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     async def _paraphrase(self, cache: ResponseCache, effect: Lookup) -> SemanticHit | None:
         """The semantic cache: the answer of an earlier request asking the same thing in other words
-        (embedded in this process's embedding thread); else this request is remembered for later ones."""
-        assert effect.semantic is not None
+        (embedded in this process's embedding thread); else this request's prompt is shared with
+        every process once its answer is stored."""
+        assert effect.semantic is not None and self.sharing is not None
         partition, text, spec = effect.semantic
         assert isinstance(spec, SemanticCacheSpec)
         try:
@@ -156,7 +160,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             value = await cache.lookup(match.key)
             if value is not None:
                 return SemanticHit(value, match.score)
-        index.add(partition, prompt, effect.key)
+        self.sharing.missed(spec.embedder, partition, prompt, effect.key)
         return None
 
     async def _admit(self, effect: Effect) -> object:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import pytest
 import redis
 
-from extproc.cache.store import ENTRY_PREFIX, CacheBackend, RedisBackend, ResponseCache, SqliteBackend
+from extproc.cache.store import ENTRY_PREFIX, CacheBackend, HotKeys, RedisBackend, ResponseCache, SqliteBackend
 from extproc.redis_server import RedisServer
 
 VALUE = b'{"kind":"chat","model":"m","choices":[],"usage":{}}'
@@ -309,3 +309,79 @@ async def test_redis_close_releases_every_connection(own_redis_server: RedisServ
         await eventually(lambda: connected() == baseline, within_s=0.5)
     finally:
         admin.close()
+
+
+# --- the hot-key allow-list -----------------------------------------------------------------------
+
+
+def test_hot_keys_keep_an_answer_once_hit_min_hits_times() -> None:
+    hot = HotKeys(size=2, min_hits=3)
+    a, b, c = digests(3, seed=20)
+    hot.hit(a, b"A", fresh_until_ms=1000)
+    hot.hit(a, b"A", fresh_until_ms=1000)
+    assert hot.get(a, now_ms=0) is None  # two hits: not hot yet
+    hot.hit(a, b"A", fresh_until_ms=1000)
+    assert hot.get(a, now_ms=0) == b"A"
+    assert hot.get(a, now_ms=1000) is None  # no longer fresh: dropped
+    assert a not in hot.kept
+
+    for key in (a, b, c):  # three hot keys in a list of two: the least recently used leaves
+        for _ in range(3):
+            hot.hit(key, key[:1], fresh_until_ms=5000)
+    assert list(hot.kept) == [b, c]
+    hot.forget(b)
+    assert list(hot.kept) == [c]
+
+
+def test_hot_key_counts_halve_every_window() -> None:
+    hot = HotKeys(size=10, min_hits=3, window=4)
+    old, new = digests(2, seed=21)
+    hot.hit(old, b"x", 10)
+    hot.hit(old, b"x", 10)
+    hot.hit(new, b"y", 10)
+    hot.hit(new, b"y", 10)  # the window's 4th hit: old 2 -> 1, new 2 -> 1
+    hot.hit(old, b"x", 10)
+    assert hot.get(old, 0) is None  # 2 after the decay, not the 3 it would have been
+
+
+def test_hot_keys_of_size_zero_keep_nothing() -> None:
+    hot = HotKeys(size=0)
+    key, = digests(1, seed=22)
+    for _ in range(10):
+        hot.hit(key, b"x", 10)
+    assert hot.get(key, 0) is None and not hot.kept
+
+
+async def test_hot_key_is_answered_without_a_round_trip(processes: Processes) -> None:
+    backend = CountingBackend(SqliteBackend())
+    clock = FakeClock(time.time())
+    cache = ResponseCache(backend, clock=clock, hot=HotKeys(min_hits=3))
+    processes.backends.append(backend)
+    key, = digests(1, seed=23)
+    await cache.store(key, VALUE, ttl_s=60, stale_ttl_s=600)
+    await processes.follow(cache)
+
+    assert [await cache.lookup(key) for _ in range(10)] == [VALUE] * 10
+    assert backend.gets == 3  # until it is hot; then from the process
+    assert (cache.counters.hits, cache.counters.hot) == (10, 7)
+
+    clock.now += 60  # no longer fresh: neither the kept copy nor the stored one answers
+    assert await cache.lookup(key) is None
+    assert backend.gets == 4
+
+
+async def test_hot_key_stored_again_by_another_process_is_fetched_again(
+        redis_server: RedisServer, processes: Processes) -> None:
+    a = processes.cache(RedisBackend(redis_server.url))
+    b = processes.cache(RedisBackend(redis_server.url))
+    await processes.follow(b)
+    key = os.urandom(32)
+    await a.store(key, b"first", ttl_s=60, stale_ttl_s=600)
+    await eventually(lambda: key in b.bloom, within_s=2.0)
+    for _ in range(5):
+        assert await b.lookup(key) == b"first"
+    assert key in b.hot_keys.kept
+
+    await a.store(key, b"second", ttl_s=60, stale_ttl_s=600)  # e.g. after the first expired
+    await eventually(lambda: key not in b.hot_keys.kept, within_s=2.0)  # the announcement drops it
+    assert await b.lookup(key) == b"second"

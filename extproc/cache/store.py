@@ -9,6 +9,13 @@ from the store (a SCAN, or the table) before it tails, and reads the stream's po
 a key stored meanwhile is not lost. A Bloom filter forgets nothing: expired keys stay in it as
 false positives (one wasted round trip each) until the process restarts.
 
+Hot-key allow-list: the answers of the keys hit most often (at least ``min_hits`` times in the
+current window: counts halve every ``hot_window`` hits; at most ``hot_keys`` of them) are kept in
+the process and answered from there, without a round trip: the reference papers' "top 1000 hot
+keys" layer (<50 us), which also spares the one Redis shard that would otherwise hold a key every
+replica asks for at once. A kept answer is dropped when it stops being fresh, and when any process
+stores the key again (the announcement), so it never outlives the stored one.
+
 Each entry is kept ``ttl_s + stale_ttl_s`` and carries the time it stops being fresh: a fresh
 lookup ignores a stale copy, which stays for the fallback path (``stale``). Values are the
 compact JSON of ``extproc.cache.answers``.
@@ -21,7 +28,8 @@ import logging
 import sqlite3
 import struct
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -52,6 +60,15 @@ class CacheBackend(Protocol):
         """Keys announced since the last call (may wait up to a second for one)."""
         ...
 
+    async def share(self, record: bytes) -> None:
+        """Announce ``record`` (a semantic-cache prompt) to every process."""
+        ...
+
+    async def shared(self) -> list[bytes]:
+        """Records announced since the last call; the first call returns every one kept (may wait
+        up to a second for one)."""
+        ...
+
     async def close(self) -> None:
         """Release connections."""
         ...
@@ -67,13 +84,67 @@ class CacheCounters:
     stored: int = 0
     errors: int = 0  # the store failed: a miss
     warmed: int = 0  # hot keys fetched from a pod in the background (``Warmer``)
+    hot: int = 0  # hits answered from the hot-key allow-list (no round trip), also counted in ``hits``
+
+
+HOT_KEYS = 1000
+HOT_MIN_HITS = 3
+HOT_WINDOW = 10_000  # hits after which every count halves: what was hot an hour ago fades
+
+
+class HotKeys:
+    """The hot-key allow-list: the keys hit at least ``min_hits`` times lately, with their answers,
+    at most ``size`` (the least recently used leaves first). Counts are kept for at most
+    8 x ``size`` keys and halve every ``window`` hits."""
+
+    def __init__(self, size: int = HOT_KEYS, min_hits: int = HOT_MIN_HITS, window: int = HOT_WINDOW) -> None:
+        self.size = size
+        self.min_hits = min_hits
+        self.window = window
+        self.kept: OrderedDict[bytes, tuple[bytes, int]] = OrderedDict()  # key -> (answer, fresh-until ms)
+        self._counts: dict[bytes, int] = {}
+        self._hits = 0
+
+    def get(self, key: bytes, now_ms: float) -> bytes | None:
+        """The kept fresh answer of ``key``, or None."""
+        entry = self.kept.get(key)
+        if entry is None:
+            return None
+        if entry[1] <= now_ms:
+            del self.kept[key]
+            return None
+        self.kept.move_to_end(key)
+        return entry[0]
+
+    def hit(self, key: bytes, value: bytes, fresh_until_ms: int) -> None:
+        """``key`` was found in the store: count it, and keep its answer once it is hot."""
+        if self.size <= 0:
+            return
+        count = self._counts[key] = self._counts.get(key, 0) + 1
+        self._hits += 1
+        if self._hits >= self.window or len(self._counts) > 8 * self.size:
+            self._decay()
+        if count >= self.min_hits:
+            self.kept[key] = (value, fresh_until_ms)
+            self.kept.move_to_end(key)
+            while len(self.kept) > self.size:
+                self.kept.popitem(last=False)
+
+    def forget(self, key: bytes) -> None:
+        """``key`` was stored again: its kept answer may be older than the stored one."""
+        self.kept.pop(key, None)
+
+    def _decay(self) -> None:
+        self._hits = 0
+        self._counts = {key: count // 2 for key, count in self._counts.items() if count > 1}
 
 
 class ResponseCache:
     """Lookups through the Bloom filter, stores announced to every process."""
 
     def __init__(self, backend: CacheBackend, bloom: BloomFilter | None = None,
-                 clock: Callable[[], float] = time.time, guard: bool = True) -> None:
+                 clock: Callable[[], float] = time.time, guard: bool = True,
+                 hot: HotKeys | None = None) -> None:
         self.backend = backend
         self.bloom = bloom or BloomFilter()
         self.guard = guard  # False: the filter is kept but not consulted (every lookup reaches the store)
@@ -81,11 +152,18 @@ class ResponseCache:
         # A cuckoo filter, as keys leave it when their answer is stored.
         self.missing = CuckooFilter(capacity=1 << 16)
         self.counters = CacheCounters()
+        self.hot_keys = hot if hot is not None else HotKeys()
+        self.listeners: list[Callable[[list[bytes]], None]] = []  # told of every key stored, by any process
         self._clock = clock
         self.ready = asyncio.Event()  # the filter holds every key stored before the process started
 
     async def lookup(self, key: bytes) -> bytes | None:
         """A fresh stored answer, or None (a miss: never an exception, a failing store is a miss)."""
+        kept = self.hot_keys.get(key, self._clock() * 1000)
+        if kept is not None:  # on the allow-list: no filter, no round trip
+            self.counters.hits += 1
+            self.counters.hot += 1
+            return kept
         if self.guard and key not in self.bloom and self.ready.is_set():
             self.counters.filtered += 1
             self._missed(key)
@@ -101,6 +179,7 @@ class ResponseCache:
             self._missed(key)
             return None
         self.counters.hits += 1
+        self.hot_keys.hit(key, entry[0], entry[1])
         return entry[0]
 
     def hot(self, key: bytes) -> bool:
@@ -126,9 +205,30 @@ class ResponseCache:
         now_ms = int(self._clock() * 1000)
         await self.backend.put(key, value, now_ms + int(ttl_s * 1000), max(1, int((ttl_s + stale_ttl_s) * 1000)))
         self.bloom.add(key)
+        self.hot_keys.forget(key)
         self.counters.stored += 1
         if key in self.missing:
             self.missing.remove(key)
+
+    async def share(self, record: bytes) -> None:
+        """Announce ``record`` to every process (``follow_shared``); a failure is logged."""
+        try:
+            await self.backend.share(record)
+        except Exception as error:  # noqa: BLE001 (the other processes miss one prompt)
+            log.warning("response cache: cannot share a prompt: %s", str(error) or type(error).__name__)
+
+    async def follow_shared(self, handle: Callable[[list[bytes]], Awaitable[None]]) -> None:
+        """Hand every shared record, those kept from before this process first, to ``handle``, forever."""
+        while True:
+            try:
+                records = await self.backend.shared()
+                if records:
+                    await handle(records)
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # noqa: BLE001 (a gap: those prompts are not matched here)
+                log.warning("response cache: shared prompts interrupted: %s", str(error) or type(error).__name__)
+                await asyncio.sleep(1.0)
 
     async def follow(self) -> None:
         """Fill the filter with the keys stored so far, then add each one announced, forever."""
@@ -144,9 +244,12 @@ class ResponseCache:
             try:
                 added = await self.backend.added()
                 self.bloom.add_many(added)
-                for key in added:  # stored by another process: no longer missing here
+                for key in added:  # stored by another process: no longer missing here, nor kept as it was
                     if key in self.missing:
                         self.missing.remove(key)
+                    self.hot_keys.forget(key)
+                for listener in self.listeners:
+                    listener(added)
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # noqa: BLE001 (a gap: those keys are misses until announced again)
@@ -159,6 +262,8 @@ class ResponseCache:
 ENTRY_PREFIX = b"llmgw:rc:e:"
 ADDED_STREAM = b"llmgw:rc:added"
 ADDED_MAXLEN = 1_000_000  # announcements kept: far more than a process can fall behind
+SHARED_STREAM = b"llmgw:rc:prompts"
+SHARED_MAXLEN = 100_000  # semantic-cache prompts kept for processes that start later
 
 
 class RedisBackend:
@@ -173,6 +278,7 @@ class RedisBackend:
         self._fast = PipelinedConnection(url, timeout_s=timeout_s)
         self._slow = aioredis.Redis.from_url(url, socket_timeout=5.0)
         self._last_id = b"$"
+        self._shared_id: bytes | None = None  # None: not read yet (the first read starts at the oldest)
 
     async def get(self, key: bytes) -> tuple[bytes, int] | None:
         """See ``CacheBackend.get``."""
@@ -207,6 +313,25 @@ class RedisBackend:
                     keys.append(fields[b"k"])
         return keys
 
+    async def share(self, record: bytes) -> None:
+        """See ``CacheBackend.share``."""
+        await self._fast.call(b"XADD", SHARED_STREAM, b"MAXLEN", b"~", SHARED_MAXLEN, b"*", b"r", record)
+
+    async def shared(self) -> list[bytes]:
+        """See ``CacheBackend.shared``: the kept ones in pages, then XREAD, blocking up to a second."""
+        first = self._shared_id is None
+        reply = await self._slow.xread({SHARED_STREAM: self._shared_id or b"0-0"}, count=1000,
+                                       block=None if first else 1000)
+        records = []
+        for _, entries in reply or ():
+            for entry_id, fields in entries:
+                self._shared_id = entry_id
+                if b"r" in fields:
+                    records.append(fields[b"r"])
+        if first and not records:
+            self._shared_id = b"0-0"
+        return records
+
     async def close(self) -> None:
         """See ``CacheBackend.close``."""
         await self._slow.aclose()
@@ -218,6 +343,8 @@ class RedisBackend:
 # AUTOINCREMENT: a sequence number is never reused, even after the newest entry is purged.
 _SCHEMA = """CREATE TABLE IF NOT EXISTS entry (seq INTEGER PRIMARY KEY AUTOINCREMENT, key BLOB NOT NULL UNIQUE,
     value BLOB NOT NULL, fresh_until INTEGER NOT NULL, expires INTEGER NOT NULL)"""
+_SHARED_SCHEMA = "CREATE TABLE IF NOT EXISTS shared (seq INTEGER PRIMARY KEY AUTOINCREMENT, record BLOB NOT NULL)"
+SHARED_KEPT = 100_000  # semantic-cache prompts kept for processes that start later
 POLL_S = 0.2  # how often a process looks for keys its neighbours stored
 PURGE_S = 60.0
 
@@ -234,8 +361,10 @@ class SqliteBackend:
             _use_wal(self._db, 5.0)
         self._db.execute("PRAGMA synchronous=OFF")
         self._db.execute(_SCHEMA)
+        self._db.execute(_SHARED_SCHEMA)
         self._clock = clock
         self._seq = 0
+        self._shared_seq = 0
         self._purged = 0.0
 
     async def get(self, key: bytes) -> tuple[bytes, int] | None:
@@ -264,6 +393,22 @@ class SqliteBackend:
             self._purged = now
             self._db.execute("DELETE FROM entry WHERE expires<=?", (int(now * 1000),))
         return keys
+
+    async def share(self, record: bytes) -> None:
+        """See ``CacheBackend.share``."""
+        seq = self._db.execute("INSERT INTO shared (record) VALUES (?)", (record,)).lastrowid
+        if seq is not None and seq % 1000 == 0:
+            self._db.execute("DELETE FROM shared WHERE seq<=?", (seq - SHARED_KEPT,))
+
+    async def shared(self) -> list[bytes]:
+        """See ``CacheBackend.shared``: polls the table."""
+        rows = self._db.execute("SELECT seq, record FROM shared WHERE seq>? ORDER BY seq LIMIT 1000",
+                                (self._shared_seq,)).fetchall()
+        if not rows:
+            await asyncio.sleep(POLL_S)
+            return []
+        self._shared_seq = rows[-1][0]
+        return [bytes(record) for _, record in rows]
 
     def _since(self) -> list[bytes]:
         rows = self._db.execute("SELECT seq, key FROM entry WHERE seq>? ORDER BY seq", (self._seq,)).fetchall()

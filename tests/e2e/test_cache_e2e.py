@@ -6,6 +6,8 @@ counts against the tenant's request limit and not its tokens, and goes to the le
 from __future__ import annotations
 
 import hashlib
+import itertools
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -186,11 +188,15 @@ def test_a_flood_of_never_seen_prompts_never_reaches_redis_past_the_bloom_filter
 
 def test_a_paraphrase_gets_the_cached_answer_and_a_different_question_does_not(
         tmp_path_factory: pytest.TempPathFactory) -> None:
-    # One worker: each worker process keeps its own semantic index (a paraphrase reaching another
-    # worker is a miss there, for now).
+    # Two workers: the prompt of a stored answer is shared with both, whichever missed it.
     config = {**CONFIG, "models": [{"name": MODEL, "pool": "local", "cache": {"ttl_s": 300, "semantic": {}}}]}
-    with small_stack(tmp_path_factory, "paraphrase", pods=1, extra_config=config) as info:
+    with small_stack(tmp_path_factory, "paraphrase", pods=1, extra_config=config, workers=2,
+                     envoy_concurrency=2) as info:
         _paraphrases(info)
+        # The miss's prompt was shared through the node's store (no Redis here: its SQLite file).
+        with sqlite3.connect(info.config_path.parent / "cache.sqlite") as db:
+            shared = [orjson.loads(r)["t"] for r, in db.execute("SELECT record FROM shared")]
+        assert shared.count("What is the capital city of France?") == 1
 
 
 def _paraphrases(cached: StackInfo) -> None:
@@ -201,12 +207,18 @@ def _paraphrases(cached: StackInfo) -> None:
 
     headers, first = ask("What is the capital city of France?")
     assert headers["x-llmgw-cache"] == "miss"
-    deadline = time.monotonic() + 20
-    while True:  # the first answer is stored once its access-log entry is settled
-        headers, again = ask("what's the capital of France")
-        if headers.get("x-llmgw-cache") == "hit" or time.monotonic() > deadline:
-            break
-    assert headers["x-llmgw-cache"] == "hit" and headers["x-llmgw-cache-match"].startswith("semantic; score=")
-    assert again.choices[0].message.content == first.choices[0].message.content  # type: ignore[attr-defined]
+    # The first answer is stored once its access-log entry is settled, and its prompt is then
+    # shared with every worker. Until then a paraphrase misses, and its own answer is stored under
+    # its own exact key (and shared in turn): so each try is worded a little differently.
+    answers = {first.choices[0].message.content}  # type: ignore[attr-defined]
+    for wanted in range(5):  # the first, then more, whichever worker each new connection reaches
+        deadline = time.monotonic() + 20
+        for tries in itertools.count(1):
+            headers, again = ask(f"what's the capital of France{'?' * (wanted * 100 + tries)}")
+            if headers.get("x-llmgw-cache") == "hit" or time.monotonic() > deadline:
+                break
+            answers.add(again.choices[0].message.content)  # type: ignore[attr-defined]
+        assert headers["x-llmgw-cache"] == "hit" and headers["x-llmgw-cache-match"].startswith("semantic; score=")
+        assert again.choices[0].message.content in answers  # type: ignore[attr-defined]  # an earlier answer
     other, _ = ask("What is the capital city of Spain?")  # close in meaning, another answer: the guard says no
     assert other["x-llmgw-cache"] == "miss"
