@@ -19,8 +19,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
-from envoy.service.accesslog.v3 import als_pb2_grpc
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
 
 from extproc.accesslog import AccessLogReceiver
 from extproc.cache.filters import BloomFilter
@@ -103,10 +107,11 @@ def build_tracing(config: GatewayConfig) -> tuple[RequestTracer | None, Sampler 
     return RequestTracer.from_config(config.tracing), Sampler.from_config(config.tracing)
 
 
-def build_server(config: GatewayConfig, gateway: Gateway, store: QuotaStore, settlement: Settlement,
+async def build_server(config: GatewayConfig, gateway: Gateway, store: QuotaStore, settlement: Settlement,
                  analyzer: BodyAnalyzer | None = None, classifier: IntentClassifier | None = None,
-                 cache: ResponseCache | None = None) -> tuple[grpc.aio.Server, ExternalProcessor]:
-    """A grpc.aio server carrying both services; messages as large as Envoy may buffer."""
+                 cache: ResponseCache | None = None) -> tuple[grpc.aio.Server, ExternalProcessor, health_aio.HealthServicer]:
+    """A grpc.aio server carrying both services, the gRPC health service (every service SERVING
+    until shutdown begins) and reflection; messages as large as Envoy may buffer."""
     # At least what Envoy may buffer (per_connection_buffer_limit_bytes in envoy.yaml), so that an
     # oversize chunked body reaches the gateway and gets an OpenAI-style 413, not a gRPC error.
     limit = max(config.max_body_bytes, ENVOY_BUFFER_LIMIT) + (1 << 20)
@@ -121,7 +126,15 @@ def build_server(config: GatewayConfig, gateway: Gateway, store: QuotaStore, set
     processor = ExternalProcessor(gateway, store, settlement, analyzer, classifier, cache)
     pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogReceiver(settlement), server)
-    return server, processor
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    services = (pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name,
+                als_pb2.DESCRIPTOR.services_by_name["AccessLogService"].full_name)
+    for name in ("", *services):  # "": the server as a whole (Kubernetes' grpc probe asks for it)
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection((*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                         reflection.SERVICE_NAME), server)
+    return server, processor, health
 
 
 async def configure_intents(classifier: IntentClassifier, config: GatewayConfig) -> None:
@@ -134,17 +147,24 @@ async def configure_intents(classifier: IntentClassifier, config: GatewayConfig)
 
 
 async def watch_config(path: Path, gateway: Gateway, interval: float = RELOAD_INTERVAL_S,
-                       classifier: IntentClassifier | None = None) -> None:
-    """Reload the config when its file changes (a revoked key stops working within ``interval``).
+                       classifier: IntentClassifier | None = None, wake: asyncio.Event | None = None) -> None:
+    """Reload the config when its file changes (a revoked key stops working within ``interval``),
+    and at once whenever ``wake`` is set (SIGHUP), changed or not. A reload swaps one immutable
+    snapshot for another between two requests: none is dropped or sees half of each.
 
     A file that no longer validates is refused with an error and the running snapshot is kept.
     """
     seen = path.stat().st_mtime_ns
+    wake = wake or asyncio.Event()
     while True:
-        await asyncio.sleep(interval)
+        try:
+            await asyncio.wait_for(wake.wait(), interval)
+        except TimeoutError:
+            pass
+        forced, _ = wake.is_set(), wake.clear()
         try:
             mtime = path.stat().st_mtime_ns
-            if mtime == seen:
+            if mtime == seen and not forced:
                 continue
             seen = mtime
             gateway.reload(load_config(path))
@@ -203,7 +223,7 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     settlement = Settlement(gateway, store, ledger, metrics, tracer, cache)
     analyzer, classifier = BodyAnalyzer(), IntentClassifier()
     await configure_intents(classifier, config)  # before serving: "auto" is routed from the first request
-    server, processor = build_server(config, gateway, store, settlement, analyzer, classifier, cache)
+    server, processor, health = await build_server(config, gateway, store, settlement, analyzer, classifier, cache)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     ready(bound)
@@ -211,7 +231,9 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     warming = asyncio.create_task(analyzer.start())
     prober = asyncio.create_task(probe_forever(lambda: gateway.config, gateway.health))
     gatherer = asyncio.create_task(gather_pod_states(gateway, states)) if scrape.enabled else None
-    watcher = asyncio.create_task(watch_config(config_path, gateway, classifier=classifier)) if config_path else None
+    reload_now = asyncio.Event()  # SIGHUP: reload the config file now
+    watcher = asyncio.create_task(watch_config(config_path, gateway, classifier=classifier, wake=reload_now)
+                                  ) if config_path else None
     # Keys stored in Redis: each process polls the table's version (1 s) and swaps in a snapshot,
     # so lookups never wait on Redis and a revoked key stops working within about a second.
     key_table = RedisKeyTable.from_url(config.redis_url) if config.redis_url else None
@@ -225,11 +247,16 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, reload_now.set)
     await stop.wait()
+    # Graceful shutdown: health checks see NOT_SERVING first (Envoy and Kubernetes stop sending
+    # new streams), then in-flight streams get ``grace_s`` to end, then what was taken is settled
+    # and the ledger flushed.
+    await health.enter_graceful_shutdown()
     for task in (watcher, key_watcher, keeper, prober, warming, gatherer, follower, sharer):
         if task is not None:
             task.cancel()
-    await server.stop(grace=5)  # Envoy's access-log streams end here: their last entries are settled
+    await server.stop(grace=config.server.grace_s)  # Envoy's access-log streams end: their last entries settle
     await settlement.drain()
     analyzer.close()
     classifier.close()

@@ -373,6 +373,8 @@ class ServerSpec(_Strict):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 50051
     workers: Annotated[int, Field(ge=0, le=256)] = 0  # 0 = one per core
+    # On SIGTERM: health turns NOT_SERVING, then in-flight streams get this long to end.
+    grace_s: Annotated[float, Field(ge=0, le=300)] = 5.0
     max_body_bytes: Annotated[int, Field(gt=0, le=1 << 30)] = DEFAULT_MAX_BODY_BYTES
     # Client headers past these get a 431 from extproc: what it adds must still fit Envoy's limits
     # (envoy.yaml: 64 headers, 32 KiB) and the pod's (vLLM: a 16 KiB header block).
