@@ -2,8 +2,8 @@
 pool failing mid-run with and without a fallback chain, in one run.
 
 1. ``penetration``: three stacks, each with its own redis-server and a model that caches answers,
-   differing only in ``response_cache``: ``guard_on`` (the Bloom filter, 1 MiB, k=3), ``guard_off``
-   (every lookup reaches Redis) and ``guard_small`` (a filter of ``--small-bloom-bits``, so small
+   differing only in ``response_cache``: ``guard_on`` (the Bloom filter, 1 MiB, k=3, and the hot-key
+   allow-list, as shipped), ``guard_off`` (every lookup reaches Redis: no filter, no allow-list) and ``guard_small`` (a filter of ``--small-bloom-bits``, so small
    that false positives show, to check the measurement against the formula). Each round floods
    every stack in turn (the order rotates) with ``--flood`` never-seen deterministic prompts
    (temperature 0, ``max_tokens`` 1, ``--flood-concurrency`` clients). Redis commands per request
@@ -14,11 +14,12 @@ pool failing mid-run with and without a fallback chain, in one run.
    (``llmgw_cache_lookups_total``: ``miss`` / (``miss`` + ``filtered``)), next to the filter's
    expected rate ``(1 - e^(-k n / m))^k`` for the ``n`` keys it held.
 2. ``hit_latency``: on the ``guard_on`` stack, at concurrency 1, one warmed key asked ``--hits``
-   times (``hit``), never-seen prompts (``miss``: the filter answers, the pod answers, the answer
+   times (``hit``: after its third hit it is on the hot-key allow-list, answered without Redis),
+   the same on the ``guard_off`` stack (``hit_redis``: every hit a GET), never-seen prompts (``miss``: the filter answers, the pod answers, the answer
    is stored) and the hit's bytes sent to a listener of the same Envoy that routes straight to the
    pod (``envoy``: Envoy alone; decompressors and router, as ``bench.overhead`` builds it). Pods
    answer instantly (``--time-scale 0``). The lanes take turns; the added p50 of a hit over Envoy
-   alone is p50(hit) - p50(envoy).
+   alone is p50(hit) - p50(envoy), and p50(hit_redis) - p50(envoy) for a hit that reaches Redis.
 3. ``pool_failure``: per round two fresh stacks run at once, pools ``big`` and ``small`` (2 pods
    each, the simulator's default cost model), ``big-model`` with ``fallback: [small-model]``
    (``chain``) and without (``no_chain``); both get the same open-loop Poisson arrivals to
@@ -80,7 +81,7 @@ from extproc.redis_server import RedisServer
 
 MODEL = "cached-model"
 BIG, SMALL = "big-model", "small-model"
-HIT_LANES = ("envoy", "hit", "miss")
+HIT_LANES = ("envoy", "hit", "hit_redis", "miss")
 FAIL_LANES = ("chain", "no_chain")
 DIRECT_LISTENER = "bench_direct"
 REFERENCE = {"success_rate": 0.923, "p99_ms": 410.0, "source": "the reference papers' table (fallback chain)"}
@@ -95,12 +96,14 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 def cache_config(redis_url: str, guard: bool, bloom_bits: int, bloom_hashes: int) -> dict[str, Any]:
-    """One pool of instant pods; its model caches deterministic answers in Redis."""
+    """One pool of instant pods; its model caches deterministic answers in Redis (without the
+    guard, without the hot-key allow-list too: every lookup reaches Redis)."""
     return {
         "redis_url": redis_url,
         "pools": [{"name": "local", "simulate": 1}],
         "models": [{"name": MODEL, "pool": "local", "cache": {"ttl_s": 3600}}],
-        "response_cache": {"guard": guard, "bloom_bits": bloom_bits, "bloom_hashes": bloom_hashes},
+        "response_cache": {"guard": guard, "bloom_bits": bloom_bits, "bloom_hashes": bloom_hashes,
+                           **({} if guard else {"hot_keys": 0})},
     }
 
 
@@ -374,15 +377,15 @@ async def warm(session: aiohttp.ClientSession, url: str, body: bytes, timeout_s:
     return False
 
 
-async def hit_round(session: aiohttp.ClientSession, gateway: str, direct: str, body: bytes, requests: int,
+async def hit_round(session: aiohttp.ClientSession, urls: dict[str, str], body: bytes, requests: int,
                     order: tuple[str, ...], tag: str) -> dict[str, dict[str, Any]]:
-    """One round of the three lanes at concurrency 1."""
+    """One round of the lanes at concurrency 1 (``urls``: where each lane sends)."""
     out: dict[str, dict[str, Any]] = {}
     for lane in order:
         if lane == "miss":
-            answers = await closed_loop(session, gateway, never_seen(requests, tag), 1)
+            answers = await closed_loop(session, urls[lane], never_seen(requests, tag), 1)
         else:
-            answers = await closed_loop(session, direct if lane == "envoy" else gateway, [body] * requests, 1)
+            answers = await closed_loop(session, urls[lane], [body] * requests, 1)
         ok = [a.latency for a in answers if a.status == "200"]
         out[lane] = {"p50_ms": ms(ok, 50), "p99_ms": ms(ok, 99), "requests": len(answers),
                      "errors": len(answers) - len(ok),
@@ -593,7 +596,9 @@ async def cache_sections(lanes: list[GuardLane], args: argparse.Namespace, progr
     async with aiohttp.ClientSession(timeout=TIMEOUT, connector=connector) as session:
         direct = await listener_url(session, on.info.admin_url, DIRECT_LISTENER)
         body = chat_body("what is the boiling point of water at sea level?")
-        warmed = await warm(session, on.info.base_url, body)
+        off = next(lane for lane in lanes if lane.name == "guard_off")
+        warmed = await warm(session, on.info.base_url, body) and await warm(session, off.info.base_url, body)
+        urls = {"envoy": direct, "hit": on.info.base_url, "hit_redis": off.info.base_url, "miss": on.info.base_url}
         await asyncio.sleep(SETTLE_S)  # so that the warm-up's lookups are not counted in a flood
         for round_ in range(args.rounds):
             order = lanes[round_ % len(lanes):] + lanes[:round_ % len(lanes)]
@@ -601,9 +606,10 @@ async def cache_sections(lanes: list[GuardLane], args: argparse.Namespace, progr
                 floods[lane.name].append(await flood(session, lane, args.flood, args.flood_concurrency,
                                                      f"{lane.name}-{round_}"))
                 progress.advance(task)
-            hit_order = HIT_LANES[round_ % 3:] + HIT_LANES[:round_ % 3]
-            for lane_name, found in (await hit_round(session, on.info.base_url, direct, body, args.hits,
-                                                     hit_order, f"hit-{round_}")).items():
+            turn = round_ % len(HIT_LANES)
+            hit_order = HIT_LANES[turn:] + HIT_LANES[:turn]
+            for lane_name, found in (await hit_round(session, urls, body, args.hits, hit_order,
+                                                     f"hit-{round_}")).items():
                 hits[lane_name].append(found)
             await asyncio.sleep(SETTLE_S)
             progress.advance(task)
@@ -895,6 +901,7 @@ def hit_summary(hits: dict[str, list[dict[str, Any]]], notes: dict[str, Any], ar
         "requests": args.hits, "lanes": lanes, **notes,
         "hit_added_p50_ms_over_envoy": round(lanes["hit"]["p50_ms"] - lanes["envoy"]["p50_ms"], 3),
         "hit_added_p99_ms_over_envoy": round(lanes["hit"]["p99_ms"] - lanes["envoy"]["p99_ms"], 3),
+        "hit_redis_added_p50_ms_over_envoy": round(lanes["hit_redis"]["p50_ms"] - lanes["envoy"]["p50_ms"], 3),
         "miss_minus_hit_p50_ms": round(lanes["miss"]["p50_ms"] - lanes["hit"]["p50_ms"], 3),
         "per_round_p50_ms": {name: [r["p50_ms"] for r in found] for name, found in hits.items()},
     }

@@ -213,10 +213,14 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     """
     tracer, sampler = build_tracing(config)
     scrape = config.endpoint_picker.scrape
-    states = PodStates(stale_after_s=scrape.interval_s * scrape.stale_after_intervals)
+    metrics = GatewayMetrics()
+    # The pool gauges (queue depth, running, KV-cache use: what autoscalers read) follow each scrape;
+    # the gateway is read only then, once it exists.
+    states = PodStates(stale_after_s=scrape.interval_s * scrape.stale_after_intervals, on_update=metrics.pool_feed(
+        lambda: {name: pool.endpoints for name, pool in gateway.config.pools.items()}))
     picker = Picker(states=states, prefix_capacity=config.endpoint_picker.prefix.index_blocks)
     gateway = Gateway(config, picker, sampler=sampler)
-    store, ledger, metrics = build_store(config), build_ledger(config), GatewayMetrics()
+    store, ledger = build_store(config), build_ledger(config)
     if metrics_port is not None and not os.environ.get(MULTIPROC_ENV):
         serve_metrics(metrics_port, host, registry=metrics.registry)
     cache = build_cache(config)

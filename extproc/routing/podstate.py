@@ -4,6 +4,8 @@
   prefix cache, LoRA adapters), with the model ids its ``/v1/models`` lists.
 - ``PodStates`` (pure): the latest state of each pod as one worker sees it. A state older than
   ``stale_after_s`` is unknown, never "idle": a pod that stopped answering must not win picks.
+  Its optional ``on_update`` hears every change (the pool gauges autoscalers read are fed there).
+- ``pool_loads`` (pure): a pool's queue, running requests and KV-cache use over its known pods.
 - ``gather_forever`` (the shell): the extproc workers of a node share one snapshot file. The
   worker holding an exclusive ``flock`` on ``<file>.lock`` is the node's scraper: once per
   interval it asks every pod for ``/metrics`` and ``/v1/models`` and replaces the file atomically;
@@ -29,6 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import aiohttp
 import orjson
@@ -145,12 +148,15 @@ def _int(text: str) -> int:
 class PodStates:
     """What every worker reads: the latest snapshot, with a staleness bound."""
 
-    def __init__(self, stale_after_s: float, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, stale_after_s: float, clock: Callable[[], float] = time.time,
+                 on_update: Callable[[Mapping[str, PodState]], None] | None = None) -> None:
         if stale_after_s <= 0:
             raise ValueError("stale_after_s must be > 0")
         self.stale_after_s = stale_after_s
         self._clock = clock
         self._states: dict[str, PodState] = {}
+        # Called after each ``update`` with the fresh states (a scrape landed, or a snapshot loaded).
+        self._on_update = on_update
 
     def get(self, endpoint: str) -> PodState | None:
         """The pod's latest state; None when never seen or older than ``stale_after_s``."""
@@ -169,11 +175,39 @@ class PodStates:
                     known is None or state.scraped_at >= known.scraped_at):
                 merged[state.endpoint] = state
         self._states = merged  # one assignment: a reader sees the old map or the new one
+        if self._on_update is not None:
+            self._on_update(MappingProxyType(merged))
 
     def snapshot(self) -> dict[str, PodState]:
         """The fresh states, by endpoint."""
         now = self._clock()
         return {ep: s for ep, s in self._states.items() if now - s.scraped_at <= self.stale_after_s}
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLoad:
+    """A pool's load as last scraped, over the pods whose state is fresh (the unknown are left out:
+    unknown is not idle). With no pod known, the load itself is unknown (NaN)."""
+
+    pods: int  # the pool's endpoints
+    pods_known: int  # of them, with fresh state
+    waiting: float  # sum of vllm:num_requests_waiting: the pool's queue depth
+    running: float  # sum of vllm:num_requests_running
+    kv_usage_mean: float  # mean of vllm:kv_cache_usage_perc, 0..1 (an autoscaler's average)
+
+
+def pool_loads(states: Mapping[str, PodState], pools: Mapping[str, Iterable[str]]) -> dict[str, PoolLoad]:
+    """Each pool's load from the fresh states by endpoint (``PodStates.snapshot()``) and its endpoints."""
+    loads: dict[str, PoolLoad] = {}
+    for pool, endpoints in pools.items():
+        members = tuple(dict.fromkeys(endpoints))  # a pod listed twice counts once
+        known = [states[ep] for ep in members if ep in states]
+        if not known:
+            loads[pool] = PoolLoad(len(members), 0, math.nan, math.nan, math.nan)
+            continue
+        loads[pool] = PoolLoad(len(members), len(known), sum(s.waiting for s in known),
+                               sum(s.running for s in known), sum(s.kv_usage for s in known) / len(known))
+    return loads
 
 
 # -- the node's snapshot file -----------------------------------------------------------------

@@ -3,7 +3,9 @@ where one exists (``gen_ai.client.token.usage`` -> ``gen_ai_client_token_usage``
 
 Each request is recorded once, from its ``RequestRecord`` (``record``): when its access-log entry
 is settled, or when the gateway answers it itself. Quota-store and ledger health is copied
-from their counters once a second (``sync``), so neither needs to know about Prometheus.
+from their counters once a second (``sync``), so neither needs to know about Prometheus. Each
+pool's load as last scraped from its pods (``llmgw_pool_*``, what autoscalers read) is set
+whenever pod state lands (``pool_feed``, given to ``PodStates(on_update=...)``).
 
 Several worker processes: the launcher points ``PROMETHEUS_MULTIPROC_DIR`` at a directory of the
 node and serves the sum of every worker's files on one ``/metrics`` port (``serve_metrics``).
@@ -13,7 +15,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import math
 import threading
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from wsgiref.simple_server import WSGIServer
 
@@ -26,6 +30,7 @@ from extproc.ledger import LedgerSink, RedisLedger
 from extproc.accounting import CACHED, REJECTED, RequestRecord
 from extproc.quota import FallbackStats
 from extproc.routing.classifier import ClassifierStats
+from extproc.routing.podstate import PodState, PoolLoad, pool_loads
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # The semantic conventions' advisory bucket boundaries.
@@ -81,7 +86,8 @@ class GatewayMetrics:
                                      registry=self.registry)
         self.pods_known = Gauge("llmgw_picker_pods_known", "Pods whose scraped state is fresh (the rest count "
                                 "as unknown to the picker)", registry=self.registry, multiprocess_mode="max")
-        self.cache = Counter("llmgw_cache_lookups", "Response cache lookups: hit, miss (the store had no fresh "
+        self.cache = Counter("llmgw_cache_lookups", "Response cache lookups: hit, hot (of the hits, those the "
+                             "hot-key allow-list answered without a round trip), miss (the store had no fresh "
                              "entry), filtered (the Bloom filter knew the key does not exist: no round trip), "
                              "error (the store failed: a miss), warmed (a hot key fetched once for the requests waiting on it)", ("outcome",), registry=self.registry)
         self.cache_stored = Counter("llmgw_cache_stored", "Answers stored in the response cache", registry=self.registry)
@@ -92,6 +98,25 @@ class GatewayMetrics:
         self.fallbacks = Counter("llmgw_fallbacks", "Requests served by a fallback model because the pool of the "
                                  "model asked for had its breaker open", ("from_model", "to_model"),
                                  registry=self.registry)
+        # Pool load from the pods' own vLLM metrics (no GenAI convention exists for these): every
+        # worker of a node reads the same snapshot, so the node's value is the most recent one set.
+        pool = ("llmgw_pool",)
+        self.pool_queue_depth = Gauge(
+            "llmgw_pool_queue_depth", "Requests waiting on the pool's pods: vllm:num_requests_waiting summed "
+            "over the pods with fresh scraped state (NaN while none is known)", pool, registry=self.registry,
+            multiprocess_mode="mostrecent")
+        self.pool_running = Gauge(
+            "llmgw_pool_requests_running", "Requests running on the pool's pods: vllm:num_requests_running "
+            "summed over the pods with fresh scraped state (NaN while none is known)", pool,
+            registry=self.registry, multiprocess_mode="mostrecent")
+        self.pool_kv_usage = Gauge(
+            "llmgw_pool_kv_cache_usage_ratio", "Mean KV-cache usage (0..1) of the pool's pods with fresh scraped "
+            "state, from vllm:kv_cache_usage_perc (NaN while none is known)", pool, registry=self.registry,
+            multiprocess_mode="mostrecent")
+        self.pool_pods_known = Gauge(
+            "llmgw_pool_pods_known", "Pods of the pool with fresh scraped state (the others are left out of "
+            "the pool's load)", pool, registry=self.registry, multiprocess_mode="mostrecent")
+        self._pools_seen: set[str] = set()
         self._seen = FallbackStats()
         self._dropped = 0
         self._outcomes: dict[str, int] = {}
@@ -120,6 +145,30 @@ class GatewayMetrics:
             if record.usage_estimated:
                 self.estimated.labels(labels[1]).inc()
 
+    def pools(self, loads: Mapping[str, PoolLoad]) -> None:
+        """Each pool's load (``extproc.routing.podstate.pool_loads``); a pool no longer among them
+        (dropped by a config reload) reads as unknown from then on."""
+        unknown = PoolLoad(0, 0, math.nan, math.nan, math.nan)
+        for name in self._pools_seen - loads.keys():
+            self._set_pool(name, unknown)
+        for name, load in loads.items():
+            self._set_pool(name, load)
+        self._pools_seen = set(loads)
+
+    def _set_pool(self, name: str, load: PoolLoad) -> None:
+        self.pool_queue_depth.labels(name).set(load.waiting)
+        self.pool_running.labels(name).set(load.running)
+        self.pool_kv_usage.labels(name).set(load.kv_usage_mean)
+        self.pool_pods_known.labels(name).set(load.pods_known)
+
+    def pool_feed(self, pools: Callable[[], Mapping[str, Iterable[str]]]
+                  ) -> Callable[[Mapping[str, PodState]], None]:
+        """The ``PodStates(on_update=...)`` hook that sets the pool gauges each time pod state lands;
+        ``pools()`` gives each pool's endpoints (read at each update: a config reload is followed)."""
+        def update(states: Mapping[str, PodState]) -> None:
+            self.pools(pool_loads(states, pools()))
+        return update
+
     def breaker(self, scope: str, name: str, state: str) -> None:
         """A circuit breaker changed state."""
         self.breaker_state.labels(scope, name).set(STATE_VALUES[state])
@@ -130,8 +179,9 @@ class GatewayMetrics:
         """Copy the quota store's, the ledger's, semantic routing's and the response cache's own
         counters, and how many pods the picker knows (called once a second)."""
         if cache is not None:
-            for outcome, count in (("hit", cache.hits), ("miss", cache.misses), ("filtered", cache.filtered),
-                                   ("error", cache.errors), ("warmed", cache.warmed), ("stored", cache.stored)):
+            for outcome, count in (("hit", cache.hits), ("hot", cache.hot), ("miss", cache.misses),
+                                   ("filtered", cache.filtered), ("error", cache.errors), ("warmed", cache.warmed),
+                                   ("stored", cache.stored)):
                 metric = self.cache_stored if outcome == "stored" else self.cache.labels(outcome)
                 metric.inc(count - self._cache_seen.get(outcome, 0))
                 self._cache_seen[outcome] = count
