@@ -28,6 +28,7 @@ from extproc.config import (
     load_config,
     load_spec,
 )
+from extproc.envoybuild.names import TARGET_NAMES
 from extproc.keys import add_keys_commands, new_api_key
 from extproc.launcher import (
     ChildFailed,
@@ -36,6 +37,7 @@ from extproc.launcher import (
     StackInfo,
     StackOptions,
     node_state_env,
+    reload_extproc,
     reserve_port,
     start_extproc_workers,
 )
@@ -75,7 +77,9 @@ def _log_to_stderr(level: str) -> None:
 
 def _serve_until_stopped(group: ProcessGroup) -> int:
     """Wait for SIGTERM/SIGINT while the group's supervisor starts dead children again (exit 0);
-    exit 1 only if supervision itself stopped (a bug: better no node than an unwatched one)."""
+    exit 1 only if supervision itself stopped (a bug: better no node than an unwatched one).
+    SIGHUP meanwhile reloads every worker's config at once."""
+    signal.signal(signal.SIGHUP, lambda *_: reload_extproc(group))
     try:
         while group.supervising:
             time.sleep(0.2)
@@ -119,10 +123,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     # The local config's tenant takes its key from LLMGW_DEV_KEY: made up here unless given, and
     # printed below; only its hash ever sits in memory, and it is never written to disk.
     dev_key = os.environ.get(DEV_KEY_ENV) or new_api_key()
+    if bool(args.tls_cert) != bool(args.tls_key):
+        console.print("[red]give both --tls-cert and --tls-key[/red]")
+        return 2
     options = StackOptions(
         config_path=Path(args.config), run_dir=Path(args.run_dir), port=args.port, listen_host=args.host,
         workers=args.workers, envoy_yaml=Path(args.envoy_config) if args.envoy_config else None,
         log_level=args.log_level, env={DEV_KEY_ENV: dev_key}, metrics_port=args.metrics_port,
+        tls=(Path(args.tls_cert), Path(args.tls_key)) if args.tls_cert else None,
     )
     stack = LocalStack(options)
     _log_to_stderr(args.log_level)
@@ -325,6 +333,28 @@ def cmd_route(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_envoy_config(args: argparse.Namespace) -> int:
+    """``llmgw envoy-config --target T``: write the Envoy config of a way in, built from the config."""
+    from extproc.envoybuild import targets  # Envoy's API types: ~1 s to import
+
+    try:
+        spec = targets.load(Path(args.config) if args.config else targets.TARGETS[args.target].config)
+    except ConfigError as error:
+        console.print(f"[red]{error}[/red]")
+        return 2
+    for path in targets.write(args.target, spec, Path(args.out) if args.out else None):
+        print(path)
+    return 0
+
+
+def cmd_config_reference(args: argparse.Namespace) -> int:
+    """``llmgw config-reference``: docs/configuration.md, from the config models."""
+    from extproc.configdoc import main as reference_main
+
+    return reference_main([*(["--write", args.write] if args.write else []),
+                           *(["--check", args.check] if args.check else [])])
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``llmgw``."""
     parser = argparse.ArgumentParser(prog="llmgw", description="An LLM API gateway on Envoy ext_proc.")
@@ -336,7 +366,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Envoy listener port (default 10000; 0: a free one, printed)")
     up.add_argument("--host", default="127.0.0.1", help="Envoy listener address (default 127.0.0.1)")
     up.add_argument("--workers", type=int, default=0, help="extproc processes (default: one per core)")
-    up.add_argument("--envoy-config", default=None, help="Envoy config to patch (default envoy/envoy.yaml)")
+    up.add_argument("--envoy-config", default=None, help="a hand-written Envoy config to patch with the stack's "
+                                                         "addresses (default: built from --config)")
+    up.add_argument("--tls-cert", default=None, help="PEM certificate chain: the listener serves HTTPS")
+    up.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     up.add_argument("--run-dir", default=".run", help="rendered configs and logs (default .run)")
     up.add_argument("--metrics-port", type=int, default=0,
                     help="Prometheus /metrics of the extproc workers (default: a free port, printed)")
@@ -351,7 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--run-dir", default=".run")
     serve.add_argument("--metrics-port", type=int, default=None,
                        help="serve the workers' summed Prometheus /metrics on this port (default: none)")
-    serve.add_argument("--metrics-host", default="0.0.0.0", help="address of /metrics (default 0.0.0.0)")
+    serve.add_argument("--metrics-host", default="127.0.0.1",
+                       help="address of /metrics (default 127.0.0.1; 0.0.0.0 for a scraper elsewhere)")
     serve.add_argument("--log-level", default="INFO")
     serve.set_defaults(handler=cmd_serve)
 
@@ -385,6 +419,22 @@ def build_parser() -> argparse.ArgumentParser:
     route.add_argument("--qos", default=None, help="the QoS class asked for")
     route.add_argument("--format", choices=("table", "json"), default="table")
     route.set_defaults(handler=cmd_route)
+
+    envoy = commands.add_parser("envoy-config", help="write the Envoy config of the local stack, compose, "
+                                                     "a plain-Envoy snippet or Istio EnvoyFilters")
+    envoy.add_argument("--target", required=True, choices=TARGET_NAMES)
+    envoy.add_argument("--config", default=None, help="gateway config, or a ConfigMap holding it (default: the "
+                                                      "target's: config/local.yaml, compose/llmgw.yaml, "
+                                                      "envoy/istio/config.yaml)")
+    envoy.add_argument("--out", default=None, help="folder (default: the checked-in copy's: envoy/, compose/, "
+                                                   "envoy/snippet/, envoy/istio/)")
+    envoy.set_defaults(handler=cmd_envoy_config)
+
+    reference = commands.add_parser("config-reference", help="print (or --write, --check) the configuration "
+                                                              "reference generated from the config models")
+    reference.add_argument("--write", metavar="FILE", default=None)
+    reference.add_argument("--check", metavar="FILE", default=None)
+    reference.set_defaults(handler=cmd_config_reference)
 
     check = commands.add_parser("check-config", help="validate a config file")
     check.add_argument("config")

@@ -1,29 +1,32 @@
-"""Load the shipped ``envoy/envoy.yaml`` and patch only its addresses, as a structured edit.
+"""Envoy plumbing for the local stack: the binary, validation, and structured edits of a config.
 
-The file stays a real, valid Envoy config (a test runs ``envoy --mode validate`` on it); the local
-stack and the tests change the listener port, the extproc and coordinator addresses and the admin
-port, found by the names the file gives them.
+The configs themselves are built from the llmgw config by `extproc.envoybuild` (`llmgw up` builds
+its own; ``envoy/envoy.yaml`` is the checked-in, generated copy). What is left here edits a config
+as YAML data, finding objects by the names the builder gives them: `render` patches the addresses
+of a hand-written file (``llmgw up --envoy-config FILE``), and tests and benchmarks point a cluster
+elsewhere with `set_cluster_address`.
 """
 
 from __future__ import annotations
 
 import copy
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-LISTENER = "llm_gateway"
-EXTPROC_CLUSTER = "llmgw_extproc"
-COORDINATOR_CLUSTER = "llm_coordinator"
-PODS_CLUSTER = "llm_pods"
-DIRECT_ROUTE = "direct"
+from extproc.envoybuild.names import COORDINATOR_CLUSTER, DIRECT_ROUTE, EXTPROC_CLUSTER, LISTENER, PODS_CLUSTER
+
+__all__ = ["COORDINATOR_CLUSTER", "DIRECT_ROUTE", "EXTPROC_CLUSTER", "LISTENER", "PODS_CLUSTER", "default_envoy_yaml",
+           "envoy_binary", "render", "set_cluster_address", "set_pods", "validate", "write"]
 
 
 def default_envoy_yaml() -> Path:
-    """``envoy/envoy.yaml`` of the source tree (cwd first, then beside the installed package)."""
+    """``envoy/envoy.yaml`` of the source tree (cwd first, then beside the installed package): the
+    generated copy of the local stack's config, with the default addresses."""
     for candidate in (Path("envoy/envoy.yaml"), Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml"):
         if candidate.is_file():
             return candidate
@@ -72,7 +75,7 @@ def render(
     stream_idle_timeout_s: float | None = None,
     access_log_flush_s: float | None = None,
 ) -> dict[str, Any]:
-    """The config of ``source`` with the given addresses; everything else as written.
+    """The hand-written config of ``source`` with the given addresses; everything else as written.
 
     ``pools`` (the gateway config's, as YAML data, endpoints filled in) become the pods cluster's
     endpoints and one route per pool with its ``first_byte_timeout_s``. ``access_log_flush_s``
@@ -114,6 +117,8 @@ def set_pods(config: dict[str, Any], pools: list[dict[str, Any]]) -> None:
     listener = _named(resources["listeners"], LISTENER, "listener")
     manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
     routes = manager["route_config"]["virtual_hosts"][0]["routes"]
+    names = {f"{DIRECT_ROUTE}-{pool['name']}" for pool in pools}
+    routes[:] = [r for r in routes if r.get("name") not in names]  # a pool's route the file has already
     generic = _named(routes, DIRECT_ROUTE, "route")
     at = routes.index(generic)
     for pool in pools:
@@ -133,6 +138,12 @@ def _host_port(address: str) -> tuple[str, int]:
 
 
 def write(config: dict[str, Any], path: Path) -> Path:
-    """Write a rendered config where Envoy will read it."""
+    """Write a config (YAML data) where Envoy will read it."""
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+def validate(path: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``envoy --mode validate`` on ``path`` (returncode 0 and "OK" when Envoy would load it)."""
+    return subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), "--use-dynamic-base-id"],
+                          capture_output=True, text=True, timeout=timeout)

@@ -370,6 +370,17 @@ def spawn_extproc_workers(group: ProcessGroup, config_path: str | Path, host: st
     ]
 
 
+def reload_extproc(group: ProcessGroup) -> int:
+    """SIGHUP every running extproc worker of ``group`` (each reloads its config file at once);
+    how many were signalled."""
+    signalled = 0
+    for child in group.children:
+        if child.name.startswith("extproc") and child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGHUP)
+            signalled += 1
+    return signalled
+
+
 def start_extproc_workers(group: ProcessGroup, config_path: str | Path, host: str, port: int, count: int,
                           log_level: str, env: dict[str, str], ready_timeout: float) -> None:
     """Start ``count`` extproc worker processes sharing ``host:port`` and wait until each is ready."""
@@ -421,6 +432,7 @@ class StackOptions:
     envoy_patch: Callable[[dict[str, Any], dict[str, list[str]]], None] | None = None
     restart: bool = True  # start dead children again (False: a dead child stays dead, as a test may want)
     backoff: Backoff = field(default_factory=Backoff)
+    tls: tuple[Path, Path] | None = None  # the listener's certificate chain and key (PEM): HTTPS
 
 
 @dataclass
@@ -489,12 +501,22 @@ class LocalStack:
         envoy_path = opts.run_dir / "envoy.yaml"
 
         def write_envoy_config(listen_port: int, admin_port: int) -> None:
-            rendered = envoyconf.render(
-                opts.envoy_yaml or envoyconf.default_envoy_yaml(), listen_port=listen_port,
-                listen_host=opts.listen_host, extproc_port=extproc_port, admin_port=admin_port,
-                pools=resolved["pools"], stream_idle_timeout_s=spec.envoy.stream_idle_timeout_s,
-                access_log_flush_s=spec.quota.lease_ttl_s / 3, coordinator=coordinator,
-            )
+            if opts.envoy_yaml is None:  # built from the config, pods' endpoints filled in
+                # Imported here: Envoy's API types take ~1 s to load, and only the stack needs them.
+                from extproc.envoybuild.addresses import LOCAL, Addresses, HostPort
+                from extproc.envoybuild.bootstrap import TlsFiles, bootstrap
+                from extproc.envoybuild.output import data
+
+                tls = TlsFiles(*(str(path.resolve()) for path in opts.tls)) if opts.tls else None
+                rendered = data(bootstrap(load_spec(config_path), Addresses(
+                    listener=HostPort(opts.listen_host, listen_port), admin=HostPort("127.0.0.1", admin_port),
+                    extproc=HostPort("127.0.0.1", extproc_port),
+                    coordinator=HostPort(*coordinator) if coordinator else LOCAL.coordinator), tls))
+            else:  # a hand-written file: its addresses, pods and timeouts patched
+                rendered = envoyconf.render(
+                    opts.envoy_yaml, listen_port=listen_port, listen_host=opts.listen_host, extproc_port=extproc_port,
+                    admin_port=admin_port, pools=resolved["pools"], coordinator=coordinator,
+                    stream_idle_timeout_s=spec.envoy.stream_idle_timeout_s, access_log_flush_s=spec.quota.lease_ttl_s / 3)
             if opts.envoy_patch is not None:
                 opts.envoy_patch(rendered, pod_urls)
             envoyconf.write(rendered, envoy_path)
@@ -526,7 +548,8 @@ class LocalStack:
         if opts.restart:
             self.group.supervise()
         metrics_url = f"http://127.0.0.1:{self.metrics.port}/metrics" if self.metrics else None
-        self.info = StackInfo(f"http://127.0.0.1:{listen_port}", admin_url, f"127.0.0.1:{extproc_port}",
+        scheme = "https" if opts.tls else "http"
+        self.info = StackInfo(f"{scheme}://127.0.0.1:{listen_port}", admin_url, f"127.0.0.1:{extproc_port}",
                               pod_urls, config_path, self.group.log_dir, metrics_url)
         return self.info
 
@@ -561,6 +584,10 @@ class LocalStack:
     def _pod_argv(self, served: list[str]) -> list[str]:
         return [sys.executable, "-m", "extproc.sim", "--host", "127.0.0.1", "--port", str(free_port()),
                 *served, *self.options.sim_args]
+
+    def reload(self) -> int:
+        """SIGHUP every extproc worker: each reloads the config file now. Returns how many."""
+        return reload_extproc(self.group)
 
     def stop(self) -> None:
         """Stop supervising and stop every child (and the metrics endpoint)."""

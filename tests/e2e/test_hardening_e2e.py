@@ -313,23 +313,27 @@ def test_a_hung_pod_costs_one_first_byte_timeout_then_is_avoided(tmp_path_factor
 
 def test_pool_timeouts_are_rendered_into_envoy(tmp_path_factory: pytest.TempPathFactory) -> None:
     from extproc import envoyconf
+    from extproc.config import GatewaySpec
+    from extproc.envoybuild.addresses import LOCAL
+    from extproc.envoybuild.bootstrap import bootstrap
+    from extproc.envoybuild.output import data
 
-    rendered = envoyconf.render(envoyconf.default_envoy_yaml(), listen_port=1, extproc_port=2, admin_port=3,
-                                stream_idle_timeout_s=42, pools=[
-                                    {"name": "fast", "endpoints": ["10.0.0.1:8000"], "first_byte_timeout_s": 2.5},
-                                    {"name": "slow", "endpoints": ["10.0.0.2:8000", "10.0.0.1:8000"]}])
+    spec = GatewaySpec.model_validate({
+        "envoy": {"stream_idle_timeout_s": 42}, "models": [{"name": "m", "pool": "fast"}],
+        "pools": [{"name": "fast", "endpoints": ["10.0.0.1:8000"], "first_byte_timeout_s": 2.5},
+                  {"name": "slow", "endpoints": ["10.0.0.2:8000", "10.0.0.1:8000"]}]})
+    rendered = data(bootstrap(spec, LOCAL))  # as `llmgw up` builds it
     manager = rendered["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     assert manager["stream_idle_timeout"] == "42s"
     routes = {r.get("name"): r for r in manager["route_config"]["virtual_hosts"][0]["routes"]}
-    assert routes["direct-fast"]["route"]["retry_policy"]["per_try_idle_timeout"] == "2.5s"
+    assert routes["direct-fast"]["route"]["retry_policy"]["per_try_idle_timeout"] == "2.500s"
     assert routes["direct-slow"]["route"]["retry_policy"]["per_try_idle_timeout"] == "120s"  # the default
     pods = rendered["static_resources"]["clusters"]
     cluster = next(c for c in pods if c["name"] == "llm_pods")
     addresses = [e["endpoint"]["address"]["socket_address"] for e in cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]]
     assert [(a["address"], a["port_value"]) for a in addresses] == [("10.0.0.1", 8000), ("10.0.0.2", 8000)]
     path = envoyconf.write(rendered, Path(tmp_path_factory.mktemp("render")) / "envoy.yaml")
-    check = subprocess.run([envoyconf.envoy_binary(), "--mode", "validate", "-c", str(path), "--use-dynamic-base-id"],
-                           capture_output=True, text=True, timeout=60)
+    check = envoyconf.validate(path)
     assert check.returncode == 0, check.stderr[-2000:]
     assert os.path.getsize(path) > 0
 
