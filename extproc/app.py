@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from extproc.accesslog import AccessLogReceiver
 from extproc.cache.filters import BloomFilter
+from extproc.cache.semantic import SemanticIndexes
 from extproc.cache.store import CACHE_PATH_ENV, HotKeys, RedisBackend, ResponseCache, SqliteBackend
 from extproc.config import LEDGER_PATH_ENV, QUOTA_PATH_ENV, ConfigError, GatewayConfig, load_config
 from extproc.gateway import Gateway
@@ -137,6 +138,18 @@ async def build_server(config: GatewayConfig, gateway: Gateway, store: QuotaStor
     return server, processor, health
 
 
+async def prepare_semantic_cache(indexes: SemanticIndexes, config: GatewayConfig) -> None:
+    """Build the semantic cache's indexes (load their embedders) before serving: a request never
+    waits for an embedder to load. One that fails is logged; its caches match exact keys only."""
+    caches = [*(model.cache for model in config.models), *config.route_caches.values()]
+    specs = {(s.embedder, s.threshold, s.capacity): s for c in caches if c is not None and (s := c.semantic)}
+    for spec in specs.values():
+        try:
+            await indexes.index(spec)
+        except Exception as error:  # noqa: BLE001 (logged; exact lookups still work)
+            log.error("semantic cache unavailable (%s embedder): %s", spec.embedder, error)
+
+
 async def configure_intents(classifier: IntentClassifier, config: GatewayConfig) -> None:
     """Build semantic routing's index for ``config``; on failure (the embedder cannot load) log it
     and keep the previous one: requests for intents then take the default route."""
@@ -228,6 +241,7 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     analyzer, classifier = BodyAnalyzer(), IntentClassifier()
     await configure_intents(classifier, config)  # before serving: "auto" is routed from the first request
     server, processor, health = await build_server(config, gateway, store, settlement, analyzer, classifier, cache)
+    await prepare_semantic_cache(processor.semantic, config)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     ready(bound)

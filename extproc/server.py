@@ -149,8 +149,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         assert effect.semantic is not None and self.sharing is not None
         partition, text, spec = effect.semantic
         assert isinstance(spec, SemanticCacheSpec)
+        index = self.semantic.ready(spec)
+        if index is None:  # its embedder is still loading: an exact lookup only, this time
+            return None
         try:
-            index = await self.semantic.index(spec)
             prompt = await self.semantic.run(index.prepare, text)
         except Exception as error:  # noqa: BLE001 (the embedder failed: exact keys only)
             log.warning("semantic cache unavailable: %s", str(error) or type(error).__name__)

@@ -1249,6 +1249,7 @@ class SemanticIndexes:
         self._indexes: dict[tuple[str, float, int], SemanticIndex] = {}
         # Called in the embedding thread with (embedder, index) when an index is built.
         self.on_built: list[Callable[[str, SemanticIndex], None]] = []
+        self._building: dict[tuple[str, float, int], Any] = {}  # builds started by ``ready``
 
     async def index(self, spec: Any) -> SemanticIndex:
         """The index for ``spec`` (a ``SemanticCacheSpec``), built (its embedder loaded) on first use."""
@@ -1264,6 +1265,27 @@ class SemanticIndexes:
                 for built in self.on_built:
                     await self.run(built, spec.embedder, index)
         return index
+
+    def ready(self, spec: Any) -> SemanticIndex | None:
+        """The index for ``spec`` if it is built; else None, and its build starts in the
+        background (loading an embedder takes seconds: a request never waits for it)."""
+        key = (spec.embedder, spec.threshold, spec.capacity)
+        index = self._indexes.get(key)
+        if index is None and key not in self._building:
+            import asyncio
+
+            task = asyncio.get_running_loop().create_task(self.index(spec))
+            self._building[key] = task
+            task.add_done_callback(lambda done: self._built_or_failed(key, done))
+        return index
+
+    def _built_or_failed(self, key: tuple[str, float, int], task: Any) -> None:
+        self._building.pop(key, None)
+        if not task.cancelled() and task.exception() is not None:
+            import logging
+
+            logging.getLogger("llmgw.cache").warning("semantic cache index %s could not be built: %s", key,
+                                                     task.exception())
 
     def built(self, embedder: str) -> list[SemanticIndex]:
         """The indexes built so far for ``embedder``."""
