@@ -385,3 +385,32 @@ async def test_hot_key_stored_again_by_another_process_is_fetched_again(
     await a.store(key, b"second", ttl_s=60, stale_ttl_s=600)  # e.g. after the first expired
     await eventually(lambda: key not in b.hot_keys.kept, within_s=2.0)  # the announcement drops it
     assert await b.lookup(key) == b"second"
+
+
+class SwallowingBackend(CountingBackend):
+    """Answers ``added`` and ``shared`` even when cancelled, as redis-py 8.1 does with a command
+    cancelled before it started: the cancellation is lost unless the caller looks for it."""
+
+    async def added(self) -> list[bytes]:
+        try:
+            await asyncio.sleep(0.001)
+        except asyncio.CancelledError:
+            pass
+        return []
+
+    async def shared(self) -> list[bytes]:
+        return await self.added()
+
+
+async def test_following_stops_when_cancelled_even_if_the_backend_swallows_it() -> None:
+    backend = SwallowingBackend(SqliteBackend())
+    cache = ResponseCache(backend)
+    follower = asyncio.create_task(cache.follow())
+    sharer = asyncio.create_task(cache.follow_shared(lambda records: asyncio.sleep(0)))
+    await eventually(cache.ready.is_set, within_s=2.0)
+    await asyncio.sleep(0.01)
+    follower.cancel()
+    sharer.cancel()
+    done, _ = await asyncio.wait({follower, sharer}, timeout=2.0)
+    assert done == {follower, sharer} and follower.cancelled() and sharer.cancelled()
+    await backend.close()

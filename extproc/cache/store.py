@@ -220,6 +220,7 @@ class ResponseCache:
     async def follow_shared(self, handle: Callable[[list[bytes]], Awaitable[None]]) -> None:
         """Hand every shared record, those kept from before this process first, to ``handle``, forever."""
         while True:
+            _raise_if_cancelled()
             try:
                 records = await self.backend.shared()
                 if records:
@@ -233,6 +234,7 @@ class ResponseCache:
     async def follow(self) -> None:
         """Fill the filter with the keys stored so far, then add each one announced, forever."""
         while not self.ready.is_set():
+            _raise_if_cancelled()
             try:
                 self.bloom.add_many(await self.backend.known())
                 self.ready.set()
@@ -241,6 +243,7 @@ class ResponseCache:
                 log.warning("response cache: cannot read the stored keys yet: %s", str(error) or type(error).__name__)
                 await asyncio.sleep(1.0)
         while True:
+            _raise_if_cancelled()
             try:
                 added = await self.backend.added()
                 self.bloom.add_many(added)
@@ -255,6 +258,15 @@ class ResponseCache:
             except Exception as error:  # noqa: BLE001 (a gap: those keys are misses until announced again)
                 log.warning("response cache: announcements interrupted: %s", str(error) or type(error).__name__)
                 await asyncio.sleep(1.0)
+
+
+def _raise_if_cancelled() -> None:
+    """Raise CancelledError if this task was cancelled. redis-py (8.1) swallows a cancellation that
+    arrives before a command has started, returning as if it had run: a loop around one would go
+    on forever after ``cancel()``."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 # -- Redis -----------------------------------------------------------------------------------------
