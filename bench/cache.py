@@ -26,7 +26,10 @@ pool failing mid-run with and without a fallback chain, in one run.
    ``big-model`` for ``--fail-seconds``; ``--fail-at`` seconds in, every ``big`` pod is set to fail
    (``PUT /debug/faults {"error_rate": 1.0}``: 500 or 503, even odds). Breakers are the product's
    defaults. Success is an HTTP 200; p99 is over every request of the run.
-4. ``semantic``: ``bench.cache_semantic.evaluate(kind, guard, threshold)`` with the product's
+4. ``lookup_us``: ``ResponseCache.lookup`` alone, in this process, against a real redis-server: a
+   key on the hot-key allow-list, the same key with the allow-list off (one GET), and a never-seen
+   key the Bloom filter answers; median and p99 microseconds over ``--lookups`` each.
+5. ``semantic``: ``bench.cache_semantic.evaluate(kind, guard, threshold)`` with the product's
    defaults (see `semantic`), when that module exists.
 
 Medians over ``--rounds``. ``checks.foreign_cpu_pct_of_a_core``: CPU the machine spent outside
@@ -448,11 +451,11 @@ async def failure_round(stacks: dict[str, StackInfo], seconds: float, fail_at: f
 
 def _served_by(answer: Answer) -> str:
     """Which path answered a 200: the model asked for, Envoy's retry on a pod of the fallback model
-    (a 429/503 before the first byte), or the fallback chain (the pool's breaker open)."""
+    (a 429 or 5xx before the first byte), or the fallback chain (the pool's breaker open)."""
     if "fallback_from=" in answer.decision:
         return "fallback model (breaker open)"
     if answer.model and answer.model != BIG:
-        return "fallback model (retry after a 503)"
+        return "fallback model (retry after a 429/5xx)"
     return BIG
 
 
@@ -532,6 +535,38 @@ def semantic() -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------
 # The run
+
+
+async def lookup_costs(count: int) -> dict[str, dict[str, float]]:
+    """Section 4: what one ``ResponseCache.lookup`` costs this process, by where it is answered."""
+    from extproc.cache.store import HotKeys, RedisBackend, ResponseCache
+
+    out: dict[str, dict[str, float]] = {}
+    with bench_redis("llmgw-bench-lookup-") as server:
+        for lane, hot in (("hot_key", HotKeys()), ("redis_get", HotKeys(size=0)), ("filtered", HotKeys())):
+            cache = ResponseCache(RedisBackend(server.url), hot=hot)
+            follower = asyncio.create_task(cache.follow())
+            try:
+                while not cache.ready.is_set():
+                    await asyncio.sleep(0.01)
+                key = secrets.token_bytes(32)
+                await cache.store(key, b'{"kind":"chat","choices":[]}', ttl_s=3600, stale_ttl_s=0)
+                asked = secrets.token_bytes(32) if lane == "filtered" else key
+                for _ in range(10):  # warm: the connection, and the key onto the allow-list
+                    await cache.lookup(asked)
+                times = []
+                for _ in range(count):
+                    started = time.perf_counter()
+                    await cache.lookup(asked)
+                    times.append(time.perf_counter() - started)
+                times.sort()
+                out[lane] = {"median_us": round(statistics.median(times) * 1e6, 1),
+                             "p99_us": round(times[int(0.99 * len(times))] * 1e6, 1)}
+            finally:
+                follower.cancel()
+                await asyncio.gather(follower, return_exceptions=True)
+                await cache.backend.close()
+    return out
 
 
 def _rounded(value: float) -> float:
@@ -731,7 +766,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     hx = list(range(len(HIT_LANES)))
     ax.bar([x - 0.2 for x in hx], [hit[n]["p50_ms"] for n in HIT_LANES], width=0.4, label="p50")
     ax.bar([x + 0.2 for x in hx], [hit[n]["p99_ms"] for n in HIT_LANES], width=0.4, label="p99")
-    ax.set_xticks(hx, ["Envoy alone\n(instant pod)", "cache hit\n(gateway)", "miss\n(gateway + pod)"])
+    labels = {"envoy": "Envoy alone\n(instant pod)", "hit": "cache hit\n(hot key)", "hit_redis": "cache hit\n(Redis GET)",
+              "miss": "miss\n(gateway + pod)"}
+    ax.set_xticks(hx, [labels[n] for n in HIT_LANES])
     ax.set_ylabel("ms")
     ax.set_title(f"concurrency 1; hit adds {result['hit_latency']['hit_added_p50_ms_over_envoy']:.2f} ms p50 "
                  "over Envoy alone", fontsize=9)
@@ -831,6 +868,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--small-bloom-bits", type=int, default=4096,
                         help="the guard_small lane's filter, small enough to show false positives (0: no such lane)")
     parser.add_argument("--hits", type=int, default=300, help="requests per hit-latency lane and round (c=1)")
+    parser.add_argument("--lookups", type=int, default=5000, help="ResponseCache.lookup calls per lookup_us lane")
     parser.add_argument("--fail-seconds", type=float, default=20.0)
     parser.add_argument("--fail-at", type=float, default=5.0, help="when the big pods start failing")
     parser.add_argument("--fail-rate", type=float, default=8.0, help="requests/s to big-model (open loop), per stack")
@@ -860,6 +898,8 @@ def main(argv: list[str] | None = None) -> None:
             task = progress.add_task("failing pool", total=args.rounds)
             result["pool_failure"] = run_failures(args, tmp, progress, task)
             checks["child_exits_failure_stacks"] = result["pool_failure"].pop("child_exits")
+    if "cache" not in args.skip:
+        result["lookup_us"] = asyncio.run(lookup_costs(args.lookups))
     if "semantic" not in args.skip:
         result["semantic"] = semantic()
     # CPU the machine spent outside this bench and everything it started: work beside it (a test
@@ -871,10 +911,10 @@ def main(argv: list[str] | None = None) -> None:
     result["setup"] = {"workers_per_stack": args.workers, "envoy_concurrency": args.envoy_concurrency,
                        "cpus": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()],
                        "wall_s": round(time.monotonic() - started, 1)}
+    emit("cache", result)  # first: a plot that fails loses no figure
     if all("lanes" in result.get(section, {}) for section in ("penetration", "hit_latency", "pool_failure")):
         DOCS.mkdir(exist_ok=True)
         plot(result, DOCS / "cache.png")
-    emit("cache", result)
 
 
 def penetration_summary(floods: dict[str, list[dict[str, Any]]], bits: dict[str, int], k: int,
