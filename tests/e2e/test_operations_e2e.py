@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -155,7 +156,7 @@ def test_a_tls_listener_serves_https_with_http2_and_http1(tmp_path: Path) -> Non
     with LocalStack(options) as info:
         assert info.base_url.startswith("https://")
         for http2 in (True, False):
-            with httpx.Client(verify=str(certificate), http2=http2) as http:
+            with httpx.Client(verify=ssl.create_default_context(cafile=str(certificate)), http2=http2) as http:
                 client = openai.OpenAI(base_url=f"{info.base_url}/v1", api_key=OLD_KEY, max_retries=0, timeout=30,
                                        http_client=http)
                 raw = client.chat.completions.with_raw_response.create(
