@@ -174,7 +174,8 @@ async def watch_config(path: Path, gateway: Gateway, interval: float = RELOAD_IN
             await asyncio.wait_for(wake.wait(), interval)
         except TimeoutError:
             pass
-        forced, _ = wake.is_set(), wake.clear()
+        forced = wake.is_set()
+        wake.clear()
         try:
             mtime = path.stat().st_mtime_ns
             if mtime == seen and not forced:
