@@ -316,14 +316,20 @@ class RedisBackend:
 
     async def added(self) -> list[bytes]:
         """See ``CacheBackend.added``: XREAD, blocking up to a second."""
-        reply = await self._slow.xread({ADDED_STREAM: self._last_id}, count=1000, block=1000)
-        keys = []
+        keys, self._last_id = await self._read(ADDED_STREAM, self._last_id, b"k", block=True)
+        return keys
+
+    async def _read(self, stream: bytes, after: bytes, field: bytes, block: bool) -> tuple[list[bytes], bytes]:
+        """The ``field`` of up to 1000 entries of ``stream`` after ``after`` (waiting up to a second
+        for one if ``block``), and the id of the last entry read (``after`` if none)."""
+        reply = await self._slow.xread({stream: after}, count=1000, block=1000 if block else None)
+        values = []
         for _, entries in reply or ():
             for entry_id, fields in entries:
-                self._last_id = entry_id
-                if b"k" in fields:
-                    keys.append(fields[b"k"])
-        return keys
+                after = entry_id
+                if field in fields:
+                    values.append(fields[field])
+        return values, after
 
     async def share(self, record: bytes) -> None:
         """See ``CacheBackend.share``."""
@@ -332,16 +338,7 @@ class RedisBackend:
     async def shared(self) -> list[bytes]:
         """See ``CacheBackend.shared``: the kept ones in pages, then XREAD, blocking up to a second."""
         first = self._shared_id is None
-        reply = await self._slow.xread({SHARED_STREAM: self._shared_id or b"0-0"}, count=1000,
-                                       block=None if first else 1000)
-        records = []
-        for _, entries in reply or ():
-            for entry_id, fields in entries:
-                self._shared_id = entry_id
-                if b"r" in fields:
-                    records.append(fields[b"r"])
-        if first and not records:
-            self._shared_id = b"0-0"
+        records, self._shared_id = await self._read(SHARED_STREAM, self._shared_id or b"0-0", b"r", block=not first)
         return records
 
     async def close(self) -> None:
