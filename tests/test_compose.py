@@ -7,6 +7,7 @@ servers, and the Envoy config passes `envoy --mode validate`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import ipaddress
 import json
@@ -425,24 +426,29 @@ def test_the_extproc_health_check_speaks_grpc_health(status: bytes | None, healt
     assert (result.returncode == 0) == healthy, result.stderr
 
 
+@contextlib.contextmanager
+def _serving(argv: list[str], ready: str, **popen: Any) -> Iterator[int]:
+    """Start ``argv``, wait for its ``ready`` line (``... host:port``) and yield the port; stop it after."""
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, **popen)
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert line.startswith(ready), line
+        yield int(line.strip().rpartition(":")[2])
+    finally:
+        process.terminate()
+        process.wait(timeout=15)
+
+
 def test_the_extproc_health_check_passes_against_a_real_worker(tmp_path: Path) -> None:
     config = tmp_path / "llmgw.yaml"
     config.write_text("server: {host: 127.0.0.1}\npools: [{name: p, endpoints: ['127.0.0.1:9']}]\n"
                       "models: [{name: m, pool: p}]\nendpoint_picker: {scrape: {enabled: false}}\n")
-    worker = subprocess.Popen([sys.executable, "-m", "extproc.app", "--config", str(config), "--port", "0",
-                               "--log-level", "WARNING"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                              text=True, cwd=tmp_path)
-    try:
-        assert worker.stdout is not None
-        line = worker.stdout.readline()
-        assert line.startswith("READY 127.0.0.1:"), line
-        port = int(line.strip().rpartition(":")[2])
+    argv = [sys.executable, "-m", "extproc.app", "--config", str(config), "--port", "0", "--log-level", "WARNING"]
+    with _serving(argv, "READY 127.0.0.1:", stderr=subprocess.DEVNULL, cwd=tmp_path) as port:
         code = healthcheck_code("extproc").replace("127.0.0.1:50051", f"127.0.0.1:{port}")
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
         assert result.returncode == 0, result.stderr
-    finally:
-        worker.terminate()
-        worker.wait(timeout=15)
 
 
 async def _run_check(code: str, port: int, default: int) -> int:
@@ -463,18 +469,9 @@ async def test_the_coordinator_health_check_passes_against_the_coordinator() -> 
 
 
 def test_the_pod_health_check_passes_against_a_simulated_pod() -> None:
-    process = subprocess.Popen([sys.executable, "-m", "extproc.sim", "--port", "0"], stdout=subprocess.PIPE,
-                               text=True)
-    try:
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        assert line.startswith("READY http://127.0.0.1:"), line
-        port = int(line.strip().rpartition(":")[2])
+    with _serving([sys.executable, "-m", "extproc.sim", "--port", "0"], "READY http://127.0.0.1:") as port:
         code = healthcheck_code("pod-a").replace("127.0.0.1:8000", f"127.0.0.1:{port}")
         assert subprocess.run([sys.executable, "-c", code], timeout=30).returncode == 0
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
 
 
 def _free_port() -> int:
