@@ -380,7 +380,7 @@ LONG_TEXT = (
     "def tiles(w: int, h: int) -> int:\n    return -(-w // 512) * -(-h // 512)\n\n"
     "大模型API网关承担请求路由、鉴权限流、协议转换。東京は日本の首都です。 "
     "Prices: $1,234.56 / 7,890.12 EUR; ids 0xDEADBEEF, 1234567890123. Émigré café naïve. 🎉👍\n"
-) * 40
+) * 28  # 7.9k characters: counted exactly (past EXACT_CHARS a request's text is sampled)
 
 PNG_URL = "data:image/png;base64," + b64(png(800, 600))
 AUDIO = {"data": b64(wav_bytes(1.0)), "format": "wav"}
