@@ -217,7 +217,8 @@ class Gateway:
         """The body's facts (or why it is refused): resolve the model; then route the request, or
         first ask for admission (``Admit``) when the tenant has limits."""
         if isinstance(analyzed, ApiError):
-            return self._reject(state, analyzed)
+            # 503: the body-analysis helper is too busy to answer within Envoy's message timeout
+            return self._reject(state, analyzed, (("retry-after", "1"),) if analyzed.status == 503 else ())
         facts, state.new_body = analyzed
         state.facts = facts
         state.end("tokens")

@@ -3,10 +3,12 @@ the event loop that serves everyone else's requests.
 
 Python threads would not help: ``orjson.loads`` and pydantic's validator hold the GIL. The helper
 is one spawned process per extproc worker (spawned, not forked: gRPC's threads do not survive a
-fork), started with the server and warmed up so the first large body pays no import. Bodies
-queue behind each other there; once ``max_queued_bytes`` (16 MiB) wait, another is refused with a 503 (an
-8 MB hostile body costs the helper ~0.1-0.5 s, so a longer queue would outlast Envoy's 2 s
-ext_proc message timeout and end in a 504 anyway).
+fork), so the helpers scale with the workers, one per core; each is started with the server and
+warmed up so the first large body pays no import. Bodies queue behind each other there, and the
+queue is bounded by time: the helper's cost per byte is learned (an EWMA of what each body took),
+and a body whose expected wait would pass ``max_wait_s`` (1 s, half of Envoy's 2 s ext_proc message
+timeout) is refused at once with a retryable 503 instead of ending in a 504. ``max_queued_bytes``
+(64 MiB) bounds the memory the queue holds, whatever the helper's speed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -27,7 +30,11 @@ from extproc.tokens import BpeEstimator, TokenEstimator
 from extproc.decisions import Analyze
 
 log = logging.getLogger("llmgw.offload")
-MAX_QUEUED_BYTES = 16 << 20
+MAX_QUEUED_BYTES = 64 << 20
+MAX_WAIT_S = 1.0
+# Before the first body is timed: ~5 ms per MB (orjson, validation, digests; a hostile 8 MB body
+# of tiny values costs up to ~50 ms per MB, which the EWMA then learns).
+INITIAL_SECONDS_PER_BYTE = 5e-9
 HELPER_NICENESS = 10
 _PR_SET_PDEATHSIG = 1
 
@@ -42,13 +49,18 @@ def _estimator(path: str) -> TokenEstimator:
 
 
 def _analyze_in_helper(operation: Operation, body: bytes, served_names: dict[str, str], limits: BodyLimits,
-                       tokenizers: dict[str, str], routing: Routing) -> tuple[BodyFacts, bytes | None] | _ErrorFields:
+                       tokenizers: dict[str, str], routing: Routing
+                       ) -> tuple[tuple[BodyFacts, bytes | None] | _ErrorFields, float]:
+    """The analysis, and the seconds of the helper's CPU it took."""
+    started = time.thread_time()
     # An ApiError does not survive pickling (a dataclass exception has no args): send its fields.
     try:
         estimators = {name: _estimator(path) for name, path in tokenizers.items()}
-        return analyze(operation, body, served_names, limits, estimators, routing)
+        result: tuple[BodyFacts, bytes | None] | _ErrorFields = analyze(
+            operation, body, served_names, limits, estimators, routing)
     except ApiError as error:
-        return (error.status, error.message, error.type, error.param, error.code)
+        result = (error.status, error.message, error.type, error.param, error.code)
+    return result, time.thread_time() - started
 
 
 def _helper_init(parent: int) -> None:
@@ -70,9 +82,11 @@ def _warm() -> None:
 class BodyAnalyzer:
     """The helper process that analyzes large bodies; ``analyze`` answers like ``extproc.body.analyze``."""
 
-    def __init__(self, max_queued_bytes: int = MAX_QUEUED_BYTES) -> None:
+    def __init__(self, max_queued_bytes: int = MAX_QUEUED_BYTES, max_wait_s: float = MAX_WAIT_S) -> None:
         self._max_queued = max_queued_bytes
+        self._max_wait_s = max_wait_s
         self._queued = 0
+        self.seconds_per_byte = INITIAL_SECONDS_PER_BYTE  # the helper's learned cost (EWMA)
         self._pool: ProcessPoolExecutor | None = None
 
     def _ensure_pool(self) -> ProcessPoolExecutor:
@@ -86,15 +100,20 @@ class BodyAnalyzer:
         """Start the helper process and wait until it has imported what it needs."""
         await asyncio.get_running_loop().run_in_executor(self._ensure_pool(), _warm)
 
+    def expected_wait_s(self, size: int) -> float:
+        """How long a body of ``size`` bytes would take from now: what waits, then itself."""
+        return (self._queued + size) * self.seconds_per_byte
+
     async def analyze(self, job: Analyze) -> Analyzed:
-        """The body's facts and new body, or the ApiError refusing it (a 503 when too much waits)."""
+        """The body's facts and new body, or the ApiError refusing it (a 503 when it would wait
+        past ``max_wait_s``, or past ``max_queued_bytes``)."""
         size = len(job.body)
-        if self._queued and self._queued + size > self._max_queued:
+        if self._queued and (self._queued + size > self._max_queued or self.expected_wait_s(size) > self._max_wait_s):
             return ApiError(503, "The gateway is busy with large requests; retry shortly.",
                             type="server_error", code="service_unavailable")
         self._queued += size
         try:
-            result = await asyncio.get_running_loop().run_in_executor(
+            result, seconds = await asyncio.get_running_loop().run_in_executor(
                 self._ensure_pool(), _analyze_in_helper, job.operation, job.body, dict(job.served_names), job.limits,
                 dict(job.tokenizers), job.routing)
         except BrokenProcessPool:
@@ -104,6 +123,8 @@ class BodyAnalyzer:
                             type="server_error", code="service_unavailable")
         finally:
             self._queued -= size
+        if size:
+            self.seconds_per_byte += 0.2 * (seconds / size - self.seconds_per_byte)
         if len(result) == 2:
             return result  # type: ignore[return-value]
         status, message, kind, param, code = result  # type: ignore[misc]

@@ -43,3 +43,22 @@ async def test_past_the_queued_bytes_a_large_body_is_a_503(analyzer: BodyAnalyze
     refused = [a for a in answers if isinstance(a, ApiError)]
     # 1 MiB may wait: the first is taken, the next two would pass the bound.
     assert len(refused) == 2 and all(a.status == 503 and a.code == "service_unavailable" for a in refused)
+
+
+async def test_a_body_that_would_wait_past_the_bound_is_a_503_at_once() -> None:
+    """The queue is bounded by time: with the helper learned at 1 s per MB, a second 600 KB body
+    would wait past the 1 s bound, and is refused before it is sent."""
+    helper = BodyAnalyzer(max_wait_s=1.0)
+    await helper.start()
+    try:
+        body = orjson.dumps({"model": "llama", "messages": [{"role": "user", "content": "x" * 600_000}]})
+        helper.seconds_per_byte = 1e-6
+        first = asyncio.ensure_future(helper.analyze(Analyze(Operation.CHAT, body, SERVED, BodyLimits())))
+        await asyncio.sleep(0)  # the first is queued
+        second = await helper.analyze(Analyze(Operation.CHAT, body, SERVED, BodyLimits()))
+        assert isinstance(second, ApiError) and second.status == 503 and second.code == "service_unavailable"
+        assert not isinstance(await first, ApiError)
+        # what the first really took is learned: far less than 1 s per MB
+        assert helper.seconds_per_byte < 1e-6
+    finally:
+        helper.close()
