@@ -34,6 +34,7 @@ from extproc.config import LEDGER_PATH_ENV, QUOTA_PATH_ENV, ConfigError, Gateway
 from extproc.gateway import Gateway
 from extproc.keys import RedisKeyTable
 from extproc.ledger import FileLedger, LedgerSink, RedisLedger
+from extproc.memory import return_large_blocks
 from extproc.offload import BodyAnalyzer
 from extproc.quota import FallbackStore, MemoryStore, OnStoreError, QuotaStore
 from extproc.quota.redis_store import RedisStore
@@ -307,6 +308,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="serve Prometheus /metrics here (one worker; `llmgw serve` sums several)")
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
+    return_large_blocks()  # a refused 1 MiB body's memory goes back to the system
     config = load_config(args.config)
     host = args.host or config.server.host
     port = config.server.port if args.port is None else args.port

@@ -28,6 +28,7 @@ from extproc.api import ApiError, Operation
 from extproc.body import BodyFacts, BodyLimits, Routing, analyze
 from extproc.tokens import BpeEstimator, TokenEstimator
 from extproc.decisions import Analyze
+from extproc.memory import return_large_blocks
 
 log = logging.getLogger("llmgw.offload")
 MAX_QUEUED_BYTES = 64 << 20
@@ -73,6 +74,7 @@ def _helper_init(parent: int) -> None:
     if os.getppid() != parent:
         os._exit(1)
     os.nice(HELPER_NICENESS)
+    return_large_blocks()
 
 
 def _warm() -> None:

@@ -16,7 +16,16 @@ from extproc.envoybuild.output import seconds, typed
 
 # Multimodal bodies reach MBs: the listener's buffer must exceed extproc's max_body_bytes, so that
 # extproc (not Envoy) answers oversize bodies with an OpenAI-style 413.
-BUFFER_LIMIT_BYTES = 32 << 20
+# What one connection may buffer: a whole request body (ext_proc buffers it) and its headers, and
+# no more, so a stalled upload pins at most this much; at least 1 MiB for the response filter,
+# which reads an answer up to 1 MiB for the cache.
+HEADROOM_BYTES = 64 << 10
+MIN_BUFFER_BYTES = 1 << 20
+
+
+def buffer_limit_bytes(spec: GatewaySpec) -> int:
+    """The listener's ``per_connection_buffer_limit_bytes``: the body limit plus headers' room."""
+    return max(spec.server.max_body_bytes, MIN_BUFFER_BYTES) + HEADROOM_BYTES
 FIXED_HEAP = "envoy.resource_monitors.fixed_heap"
 
 
@@ -52,7 +61,7 @@ def bootstrap(spec: GatewaySpec, at: Addresses, tls: TlsFiles | None = None) -> 
             listeners=[listenerv3.Listener(
                 name=names.LISTENER,
                 address=clusters.address(at.listener),
-                per_connection_buffer_limit_bytes=BUFFER_LIMIT_BYTES,
+                per_connection_buffer_limit_bytes=buffer_limit_bytes(spec),
                 filter_chains=[listenerv3.FilterChain(
                     filters=[listenerv3.Filter(name=names.CONNECTION_MANAGER, typed_config=typed(connection_manager(spec)))],
                     transport_socket=downstream_tls(tls) if tls is not None else None)],
@@ -88,7 +97,7 @@ def connection_manager(spec: GatewaySpec) -> hcmv3.HttpConnectionManager:
         # Time to *receive* a request: disarmed once the whole request has passed every decoder
         # filter (ext_proc's decision included) or the response starts, so it never cuts a
         # generation. It cuts stalled or trickled uploads (408), which pin up to the buffer limit
-        # each; 60 s takes a 32 MiB body at ~4.5 Mbit/s.
+        # each; 60 s takes an 8 MiB body at ~1.2 Mbit/s.
         request_timeout=seconds(60),
         request_headers_timeout=seconds(10),
         # 431 past these (Envoy's defaults: 60 KiB, 100); every header also travels to extproc.
@@ -118,7 +127,8 @@ def _scaled(scaling: float, saturation: float) -> list[overloadv3.Trigger]:
 
 def overload_manager() -> overloadv3.OverloadManager:
     """Memory and connection caps. Set the heap size to ~80% of Envoy's memory limit: every
-    connection may buffer a whole body (the listener's buffer limit, 32 MiB)."""
+    connection may buffer a whole body (the listener's buffer limit: ``server.max_body_bytes`` + 64 KiB),
+    so the heap actions, not the connection cap, are what bound many stalled uploads."""
     return overloadv3.OverloadManager(
         refresh_interval=seconds(0.25),
         # Streams buffering >= 1 MiB can be reset.

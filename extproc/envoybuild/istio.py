@@ -19,7 +19,6 @@ from typing import Any
 from extproc.config import GatewaySpec
 from extproc.envoybuild import clusters, names
 from extproc.envoybuild.addresses import COORDINATOR_PORT, EXTPROC_PORT, LOCAL, POD_PORT, HostPort
-from extproc.envoybuild.bootstrap import BUFFER_LIMIT_BYTES
 from extproc.envoybuild.envoyapi import clusterv3, corev3, matcherv3, protobuf, rawbufferv3, tlsv3
 from extproc.envoybuild.output import data, seconds, typed
 from extproc.envoybuild.snippet import snippet
@@ -156,8 +155,8 @@ def envoy_filters(spec: GatewaySpec, mesh: Mesh = MESH) -> list[dict[str, Any]]:
                                                 "subFilter": {"name": names.ROUTER_FILTER}}}}
     host = {"routeConfiguration": {"vhost": {"name": mesh.virtual_host}}} if mesh.virtual_host else {}
     patches = [
-        # ext_proc buffers whole bodies: over this, Envoy (not extproc) would answer a plain 413.
-        _patch("LISTENER", "MERGE", {"per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES}),
+        # ext_proc buffers whole bodies: the body limit and headers' room, no more (see bootstrap).
+        _patch("LISTENER", "MERGE", {"per_connection_buffer_limit_bytes": piece.buffer_limit_bytes}),
         # Each is inserted just before the router, so they keep this order.
         *(_patch("HTTP_FILTER", "INSERT_BEFORE", data(f), listener=before_router) for f in piece.http_filters),
         _patch("NETWORK_FILTER", "MERGE", {"name": names.CONNECTION_MANAGER, "typed_config": {

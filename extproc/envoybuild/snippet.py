@@ -17,7 +17,7 @@ from typing import Any
 from extproc.config import GatewaySpec
 from extproc.envoybuild import clusters, filters, logs, names, routes
 from extproc.envoybuild.addresses import Addresses
-from extproc.envoybuild.bootstrap import BUFFER_LIMIT_BYTES, pod_addresses
+from extproc.envoybuild.bootstrap import buffer_limit_bytes, pod_addresses
 from extproc.envoybuild.envoyapi import accesslogv3, clusterv3, hcmv3, routev3
 from extproc.envoybuild.output import data, dump
 
@@ -41,6 +41,7 @@ class Snippet:
     access_log: list[accesslogv3.AccessLog]  # appended to the connection manager's
     access_log_options: hcmv3.HttpConnectionManagerHcmAccessLogOptions
     local_reply_config: hcmv3.LocalReplyConfig  # optional: listener-wide
+    buffer_limit_bytes: int  # the listener's per_connection_buffer_limit_bytes
 
     def connection_manager_fields(self) -> dict[str, Any]:
         """What the connection manager gets, as YAML data: access logs appended, options set."""
@@ -59,6 +60,7 @@ def snippet(spec: GatewaySpec, at: Addresses) -> Snippet:
         access_log=[logs.settlement_log()],
         access_log_options=logs.log_options(spec),
         local_reply_config=logs.local_replies(),
+        buffer_limit_bytes=buffer_limit_bytes(spec),
     )
 
 
@@ -78,7 +80,7 @@ def files(piece: Snippet, header: str) -> dict[str, str]:
         LOCAL_REPLY_FILE: dump({"local_reply_config": data(piece.local_reply_config)},
                                f"{header}\nOptional HttpConnectionManager field: Envoy's own error answers in "
                                "OpenAI's shape, for every route of the listener."),
-        README_FILE: README,
+        README_FILE: README.replace("{buffer_limit}", str(piece.buffer_limit_bytes)),
     }
 
 
@@ -88,7 +90,7 @@ def splice(bootstrap: dict[str, Any], listener: str, piece: Snippet) -> dict[str
     config = copy.deepcopy(bootstrap)
     resources = config["static_resources"]
     target = next(item for item in resources["listeners"] if item["name"] == listener)
-    target["per_connection_buffer_limit_bytes"] = BUFFER_LIMIT_BYTES
+    target["per_connection_buffer_limit_bytes"] = piece.buffer_limit_bytes
     manager = next(f for f in target["filter_chains"][0]["filters"]
                    if f["name"] == names.CONNECTION_MANAGER)["typed_config"]
     chain = manager["http_filters"]
@@ -121,9 +123,10 @@ OpenAI API, beside whatever it serves already.
   so requests to your other routes never reach extproc. Envoy picks a request's filters from the
   first route it matches, which is why the routes must come before any route of yours that also
   matches `{API_PREFIX}`.
-- Set the listener's `per_connection_buffer_limit_bytes` to at least {BUFFER_LIMIT_BYTES} (32 MiB), above
-  extproc's `server.max_body_bytes`: ext_proc buffers whole bodies, and a smaller limit answers
-  large bodies with Envoy's plain 413 instead of extproc's.
+- Set the listener's `per_connection_buffer_limit_bytes` to {{buffer_limit}}: extproc's
+  `server.max_body_bytes` and 64 KiB for headers. ext_proc buffers whole bodies: a smaller limit
+  answers large bodies with Envoy's 413 before extproc sees them, a larger one lets a stalled
+  upload pin more memory than any accepted request needs.
 - `access_log_options.access_log_flush_interval` also makes your own access logs of that connection
   manager write periodic entries for long requests; filter them with a `log_type_filter` if unwanted.
 - The clusters' `load_assignment`s say where extproc (ext_proc and the gRPC access-log service, one

@@ -315,7 +315,7 @@ def test_malformed_http_is_an_openai_400(edge: Edge, head: bytes) -> None:
 
 
 def test_a_body_over_envoys_buffer_is_an_openai_413(edge: Edge) -> None:
-    # Chunked, so extproc cannot refuse it by content-length: Envoy's buffer (32 MiB) fills first.
+    # Chunked, so extproc cannot refuse it by content-length: Envoy's buffer (the body limit + 64 KiB) fills first.
     head = request_head("POST", "/v1/chat/completions",
                         {"content-type": "application/json", "transfer-encoding": "chunked"})
     reply = exchange(edge.port, head, chunked(b" " * (33 << 20)))
