@@ -402,6 +402,7 @@ class Bench:
     idle_s: float = 3.0
     profile_pid: int | None = None
     profile_path: Path | None = None
+    profile_stream: bool = True
     samples: dict[tuple[str, str], list[Sample]] = field(default_factory=dict)
     foreign_cpu_pct: float = 0.0  # of one core, during the rounds: what no process of the bench used
     calibration_ms: tuple[float, float] = (0.0, 0.0)  # `calibration_ms` before and after the rounds
@@ -457,9 +458,9 @@ class Bench:
             self.foreign_cpu_pct = round(100 * foreign / (time.perf_counter() - started), 1)
             self.calibration_ms = (calibrated, calibration_ms())
             if self.profile_pid is not None:
-                progress.update(task, description="py-spy on a full worker, stream_c32")
-                self.profile = await self.profiled(next(l for l in self.lanes if l.name == "full"),
-                                                   next(c for c in self.cases if c.name == "stream_c32"))
+                case = next(c for c in self.cases if c.concurrency == 32 and c.stream == self.profile_stream)
+                progress.update(task, description=f"py-spy on a full worker, {case.name}")
+                self.profile = await self.profiled(next(l for l in self.lanes if l.name == "full"), case)
                 progress.advance(task)
 
     def _own_cpu_s(self) -> float:
@@ -500,7 +501,8 @@ class Bench:
         await asyncio.sleep(1.0)  # py-spy attaches
         try:
             # py-spy stops the worker for every sample (--native needs it), so answers may be late.
-            result = await self.load(lane, Case(True, case.concurrency, case.requests * 3), strict=False)
+            result = await self.load(lane, Case(self.profile_stream, case.concurrency, case.requests * 3),
+                                     strict=False)
         finally:
             if spy.returncode is None:
                 spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
@@ -770,6 +772,8 @@ def main() -> None:
     parser.add_argument("--tracing", action="store_true", help="add the full policy with tracing on (100%% sampled)")
     parser.add_argument("--profile", action="store_true",
                         help="py-spy one full worker in an extra streamed c=32 run (bench/results/overhead-profile.json)")
+    parser.add_argument("--profile-case", choices=("stream", "plain"), default="stream",
+                        help="the c=32 case --profile runs (default: streamed)")
     parser.add_argument("--quick", action="store_true", help="a short smoke run: 1 round, few requests")
     parser.add_argument("--no-observer", action="store_true", help="diagnosis: drop the observer filter")
     parser.add_argument("--otlp-sink", action="store_true", help=argparse.SUPPRESS)
@@ -862,6 +866,7 @@ def main() -> None:
                           (100, 8) if args.quick else (300, 16), 2.0 if args.quick else 3.0)
             if args.profile:
                 bench.profile_pid = workers["full"][0]
+                bench.profile_stream = args.profile_case == "stream"
                 bench.profile_path = RESULTS / "overhead-profile.speedscope.json"
                 RESULTS.mkdir(exist_ok=True)
             asyncio.run(bench.run())

@@ -23,6 +23,7 @@ takes it; then all of them are charged at once, otherwise none.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -223,7 +224,12 @@ def day_of(now_ms: int) -> int:
 
 def month_of(now_ms: int) -> tuple[int, int]:
     """The UTC calendar month of ``now_ms`` (``year * 12 + month - 1``) and when the next begins (ms)."""
-    moment = datetime.fromtimestamp(now_ms / 1000, tz=UTC)
+    return _month_of_day(now_ms // DAY_MS)
+
+
+@functools.lru_cache(maxsize=64)
+def _month_of_day(day: int) -> tuple[int, int]:
+    moment = datetime.fromtimestamp(day * (DAY_MS // 1000), tz=UTC)
     index = moment.year * 12 + moment.month - 1
     year, month = divmod(index + 1, 12)
     return index, int(datetime(year, month + 1, 1, tzinfo=UTC).timestamp() * 1000)
@@ -247,9 +253,13 @@ class Check:
 
 def check_window(buckets: Mapping[int, int], now_ms: int, limit: int, need: int) -> Check:
     """Sliding-window check: does ``need`` fit with the live buckets' sum, and when else would it."""
-    counted = sorted(live(buckets, now_ms).items())
-    used = sum(count for _, count in counted)
-    newest = max((bucket for bucket, count in counted if count), default=None)
+    oldest = bucket_of(now_ms) - SPAN + 1
+    used, newest = 0, None
+    for bucket, count in buckets.items():  # one pass, no copies: this runs on every admission
+        if bucket >= oldest and count:
+            used += count
+            if newest is None or bucket > newest:
+                newest = bucket
     if used + need <= limit:
         last = bucket_of(now_ms) if need else newest
         return Check(True, used, None, 0 if last is None else (last + SPAN) * BUCKET_MS - now_ms)
@@ -257,7 +267,7 @@ def check_window(buckets: Mapping[int, int], now_ms: int, limit: int, need: int)
     if need > limit:
         return Check(False, used, None, reset)
     freed = 0
-    for bucket, count in counted:  # oldest first: each leaves the window at its own boundary
+    for bucket, count in sorted(live(buckets, now_ms).items()):  # oldest first: each leaves at its own boundary
         freed += count
         if used - freed + need <= limit:
             return Check(False, used, (bucket + SPAN) * BUCKET_MS - now_ms, reset)

@@ -32,7 +32,7 @@ from extproc.quota.limits import (
 )
 from extproc.quota.store import StoreUnavailable
 
-_REQUESTS, _TOKENS = 0, 1
+_REQUESTS, _TOKENS, _LEASES, _DAY_TOKENS = 0, 1, 2, 3  # the kinds of row _STATE returns
 _SWEEP_MS = 60_000  # how often one worker deletes every tenant's stale rows
 
 _WINDOW_ADD = ("INSERT INTO win VALUES (?,?,?,?,?)"
@@ -40,6 +40,10 @@ _WINDOW_ADD = ("INSERT INTO win VALUES (?,?,?,?,?)"
 _DAY_ADD = "INSERT INTO day VALUES (?,?,?,?) ON CONFLICT (tenant, scope, day) DO UPDATE SET n = n + excluded.n"
 _SPEND_ADD = ("INSERT INTO spend VALUES (?,?,?,?,?)"
               " ON CONFLICT (tenant, scope, period, idx) DO UPDATE SET n = n + excluded.n")
+# One scope's live state in one statement: its window buckets, its live leases and today's tokens.
+_STATE = ("SELECT kind, bucket, n FROM win WHERE tenant=? AND scope=? AND bucket>=?"
+          f" UNION ALL SELECT {_LEASES}, 0, count(*) FROM lease WHERE tenant=? AND scope=? AND expires>?"
+          f" UNION ALL SELECT {_DAY_TOKENS}, 0, n FROM day WHERE tenant=? AND scope=? AND day=?")
 _DAY, _MONTH = 0, 1  # spend.period: idx is a UTC day number, or a UTC month (year * 12 + month - 1)
 _SCHEMA_VERSION = 2  # a file of another version is rebuilt (quota state is a minute's worth)
 _TABLES = ("win", "lease", "day", "charge", "spend")
@@ -102,6 +106,7 @@ class MemoryStore:
             for statement in _SCHEMA.split(";")[:-1]:  # not executescript: it would COMMIT first
                 self._db.execute(statement)
         self._last_sweep = 0
+        self._purged: dict[tuple[str, str], int] = {}  # (tenant, scope) -> the window start it was purged at
 
     def _now_ms(self) -> int:
         return int(self._clock() * 1000)
@@ -116,29 +121,33 @@ class MemoryStore:
             now = self._now_ms()
             self._sweep(now)
             oldest, today, (month, _) = bucket_of(now) - SPAN + 1, day_of(now), month_of(now)
-            db.execute("DELETE FROM charge WHERE tenant=? AND expires<=?", (tenant, now))
             scopes = []
             for scope, limits in scopes_of(quota, admission.qos):
                 key = _scope_key(scope, admission.qos)
-                db.execute("DELETE FROM win WHERE tenant=? AND scope=? AND bucket<?", (tenant, key, oldest))
-                db.execute("DELETE FROM lease WHERE tenant=? AND scope=? AND expires<=?", (tenant, key, now))
-                db.execute("DELETE FROM day WHERE tenant=? AND scope=? AND day<?", (tenant, key, today - 1))
+                # Reads skip rows past their time; a scope's are deleted at most once a second.
+                if self._purged.get((tenant, key)) != oldest:
+                    self._purged[(tenant, key)] = oldest
+                    db.execute("DELETE FROM charge WHERE tenant=? AND expires<=?", (tenant, now))
+                    db.execute("DELETE FROM win WHERE tenant=? AND scope=? AND bucket<?", (tenant, key, oldest))
+                    db.execute("DELETE FROM lease WHERE tenant=? AND scope=? AND expires<=?", (tenant, key, now))
+                    db.execute("DELETE FROM day WHERE tenant=? AND scope=? AND day<?", (tenant, key, today - 1))
                 windows: dict[int, dict[int, int]] = {_REQUESTS: {}, _TOKENS: {}}
-                for kind, bucket, n in db.execute(
-                        "SELECT kind, bucket, n FROM win WHERE tenant=? AND scope=?", (tenant, key)):
-                    windows[kind][bucket] = n
-                (leases,), = db.execute("SELECT count(*) FROM lease WHERE tenant=? AND scope=?", (tenant, key))
-                day_rows = db.execute("SELECT n FROM day WHERE tenant=? AND scope=? AND day=?",
-                                      (tenant, key, today)).fetchall()
+                leases = day_tokens = 0
+                for kind, bucket, n in db.execute(_STATE, (tenant, key, oldest, tenant, key, now,
+                                                          tenant, key, today)):
+                    if kind == _LEASES:
+                        leases = n
+                    elif kind == _DAY_TOKENS:
+                        day_tokens = n
+                    else:
+                        windows[kind][bucket] = n
                 spent = {_DAY: 0, _MONTH: 0}
                 if limits.daily_cost is not None or limits.monthly_cost is not None:
-                    db.execute("DELETE FROM spend WHERE tenant=? AND scope=? AND ((period=? AND idx<?) OR "
-                               "(period=? AND idx<?))", (tenant, key, _DAY, today - 1, _MONTH, month - 1))
                     for period, n in db.execute(
                             "SELECT period, n FROM spend WHERE tenant=? AND scope=? AND ((period=? AND idx=?) OR "
                             "(period=? AND idx=?))", (tenant, key, _DAY, today, _MONTH, month)):
                         spent[period] = n
-                state = ScopeState(windows[_REQUESTS], windows[_TOKENS], leases, day_rows[0][0] if day_rows else 0,
+                state = ScopeState(windows[_REQUESTS], windows[_TOKENS], leases, day_tokens,
                                    spent[_DAY], spent[_MONTH])
                 scopes.append((scope, limits, state))
             cost = admission.reserve_cost
@@ -147,11 +156,12 @@ class MemoryStore:
                 return Decision(False, verdict.figures, verdict.refused_by, verdict.refused_scope,
                                 verdict.retry_after_ms)
             expires = now + self.lease_ttl_ms
+            bucket = bucket_of(now)
             for scope, _ in scopes_of(quota, admission.qos):
                 key = _scope_key(scope, admission.qos)
-                db.execute(_WINDOW_ADD, (tenant, key, _REQUESTS, bucket_of(now), 1))
+                db.execute(_WINDOW_ADD, (tenant, key, _REQUESTS, bucket, 1))
                 if admission.reserve_tokens:
-                    db.execute(_WINDOW_ADD, (tenant, key, _TOKENS, bucket_of(now), admission.reserve_tokens))
+                    db.execute(_WINDOW_ADD, (tenant, key, _TOKENS, bucket, admission.reserve_tokens))
                 db.execute(_DAY_ADD, (tenant, key, today, admission.reserve_tokens))
                 if cost:
                     db.execute(_SPEND_ADD, (tenant, key, _DAY, today, cost))
@@ -164,10 +174,11 @@ class MemoryStore:
         return Decision(True, verdict.figures, lease=lease)
 
     def _sweep(self, now: int) -> None:
-        # Per-tenant purges run on each admission; this catches tenants that went quiet.
+        # Per-tenant purges run on admissions; this catches tenants that went quiet.
         if now - self._last_sweep < _SWEEP_MS:
             return
         self._last_sweep = now
+        self._purged.clear()
         self._db.execute("DELETE FROM win WHERE bucket<?", (bucket_of(now) - SPAN + 1,))
         self._db.execute("DELETE FROM lease WHERE expires<=?", (now,))
         self._db.execute("DELETE FROM charge WHERE expires<=?", (now,))
@@ -180,8 +191,15 @@ class MemoryStore:
         keys = [_scope_key(scope, lease.qos) for scope in (("tenant", "qos") if lease.qos else ("tenant",))]
         with self._transaction():
             now = self._now_ms()
-            rows = db.execute("SELECT tokens, cost FROM charge WHERE tenant=? AND lease_id=?",
-                              (tenant, lease.lease_id)).fetchall()
+            if free:  # the charge row goes with the lease
+                rows = db.execute("DELETE FROM charge WHERE tenant=? AND lease_id=? RETURNING tokens, cost",
+                                  (tenant, lease.lease_id)).fetchall()
+                for key in keys:
+                    db.execute("DELETE FROM lease WHERE tenant=? AND scope=? AND lease_id=?",
+                               (tenant, key, lease.lease_id))
+            else:
+                rows = db.execute("SELECT tokens, cost FROM charge WHERE tenant=? AND lease_id=?",
+                                  (tenant, lease.lease_id)).fetchall()
             if rows and actual_cost is not None and actual_cost != rows[0][1]:
                 delta = actual_cost - rows[0][1]
                 periods = ((_DAY, day_of(lease.admitted_ms)), (_MONTH, month_of(lease.admitted_ms)[0]))
@@ -192,8 +210,9 @@ class MemoryStore:
                         else:  # a refund to a period already purged has nothing to return to
                             db.execute("UPDATE spend SET n=n+? WHERE tenant=? AND scope=? AND period=? AND idx=?",
                                        (delta, tenant, key, period, index))
-                db.execute("UPDATE charge SET cost=? WHERE tenant=? AND lease_id=?",
-                           (actual_cost, tenant, lease.lease_id))
+                if not free:
+                    db.execute("UPDATE charge SET cost=? WHERE tenant=? AND lease_id=?",
+                               (actual_cost, tenant, lease.lease_id))
             if rows and actual_tokens is not None and actual_tokens != rows[0][0]:
                 delta = actual_tokens - rows[0][0]
                 bucket = settle_bucket(lease.admitted_ms, now, delta)
@@ -206,13 +225,9 @@ class MemoryStore:
                     else:  # a refund to a day already purged has nothing to return to
                         db.execute("UPDATE day SET n=n+? WHERE tenant=? AND scope=? AND day=?",
                                    (delta, tenant, key, day))
-                db.execute("UPDATE charge SET tokens=? WHERE tenant=? AND lease_id=?",
-                           (actual_tokens, tenant, lease.lease_id))
-            if free:
-                db.execute("DELETE FROM charge WHERE tenant=? AND lease_id=?", (tenant, lease.lease_id))
-                for key in keys:
-                    db.execute("DELETE FROM lease WHERE tenant=? AND scope=? AND lease_id=?",
-                               (tenant, key, lease.lease_id))
+                if not free:
+                    db.execute("UPDATE charge SET tokens=? WHERE tenant=? AND lease_id=?",
+                               (actual_tokens, tenant, lease.lease_id))
 
     async def reconcile(self, lease: Lease, actual_tokens: int, actual_cost: int | None = None) -> None:
         """See ``QuotaStore.reconcile``."""
