@@ -19,6 +19,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import orjson
+
 from extproc.pricing import Prices
 from extproc.quota.limits import Lease
 
@@ -75,7 +77,14 @@ class Decision:
     fallback_from: str = ""  # the model it was asked of, whose pool's breaker was open
 
     def metadata(self) -> dict[str, object]:
-        """The decision as a JSON-able mapping for ``ProcessingResponse.dynamic_metadata``."""
+        """The decision for ``ProcessingResponse.dynamic_metadata``: ``id`` and ``tenant`` as fields
+        of their own (the access log's filter matches ``id``; a mesh's own logs can print both), the
+        rest as one JSON string, ``decision``. A Struct field per value cost ~75 us per request to
+        build and to read back; one string costs ~15."""
+        return {"id": self.id, "tenant": self.tenant, "decision": orjson.dumps(self.fields()).decode()}
+
+    def fields(self) -> dict[str, object]:
+        """The decision as a JSON-able mapping (what ``from_metadata`` reads)."""
         out: dict[str, object] = {
             # started_ns as text: a Struct number is a double, which would round epoch nanoseconds
             "id": self.id, "request_id": self.request_id, "started_ns": str(self.started_ns), "path": self.path,
@@ -110,10 +119,18 @@ class Decision:
 
     @classmethod
     def from_metadata(cls, data: Mapping[str, object]) -> Decision:
-        """Parse ``metadata``'s output (numbers come back as floats from a protobuf Struct).
+        """Parse ``metadata``'s output, or ``fields``'s (whose numbers may come back as floats from a
+        protobuf Struct).
 
         Raises ``ValueError`` for a namespace that is not a decision (a forged or foreign one)."""
         try:
+            if "decision" in data:
+                encoded = data["decision"]
+                if not isinstance(encoded, str):
+                    raise TypeError("decision is not a string")
+                data = orjson.loads(encoded)
+                if not isinstance(data, dict):
+                    raise TypeError("decision is not a mapping")
             started = int(str(data["started_ns"]))
             lease = _lease(data.get("lease"))
             phases = tuple(_phases(str(data.get("phases", "")), started))

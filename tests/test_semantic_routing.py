@@ -71,7 +71,7 @@ def test_auto_asks_for_the_last_user_turn_and_routes_to_the_intent() -> None:
     assert header(step, "x-llmgw-pool") == "code"
     decision = header(step, "x-llmgw-decision")
     assert decision.startswith("rule=intents; intent=code; score=") and decision.endswith("model=coder; pool=code")
-    metadata = dict(step.metadata)["llmgw"]
+    metadata = orjson.loads(dict(step.metadata)["llmgw"]["decision"])
     assert metadata["intent"] == "code" and metadata["rule"] == "intents" and 0 < metadata["score"] <= 1
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import AsyncIterator
 
+import orjson
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2 as al
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -99,7 +100,8 @@ async def test_the_stream_closes_once_decided_and_the_decision_rides_as_metadata
     worker = Worker(MemoryStore())
     replies = await decide(worker)
     assert [r.WhichOneof("response") for r in replies] == ["request_headers", "request_body"]
-    assert replies[-1].dynamic_metadata["llmgw"]["lease"]["id"] == replies[-1].dynamic_metadata["llmgw"]["id"]
+    carried = replies[-1].dynamic_metadata["llmgw"]
+    assert orjson.loads(carried["decision"])["lease"]["id"] == carried["id"]
 
 
 async def test_an_entry_reaching_another_worker_settles_the_request_once() -> None:
