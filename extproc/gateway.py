@@ -47,7 +47,7 @@ from extproc.decisions import (
 from extproc.keys import KeySnapshot
 from extproc.predict import OutputLengthPredictor
 from extproc.qos import QOS_HEADER, choose_qos
-from extproc.quota.limits import Admission, Lease
+from extproc.quota.limits import UNLIMITED, Admission, Lease
 from extproc.quota.limits import Decision as QuotaVerdict
 from extproc.quota.replies import UNAVAILABLE, refusal
 from extproc.quota.store import StoreUnavailable
@@ -279,7 +279,10 @@ class Gateway:
         input_tokens, output_tokens = self._reserve(state, facts)
         state.reserved_tokens = input_tokens + output_tokens
         state.reserved_cost = micro_dollars(model.prices.cost(input_tokens, output_tokens, 0))
-        admission = Admission(tenant=state.tenant.name, lease_id=state.id, qos=state.qos,
+        # The class is a scope of its own only where it has limits: counting it otherwise doubles the
+        # store's writes for nothing (a limit added by a reload counts from then on).
+        admission = Admission(tenant=state.tenant.name, lease_id=state.id,
+                              qos=state.qos if quota.qos != UNLIMITED else "",
                               reserve_tokens=state.reserved_tokens, reserve_cost=state.reserved_cost)
         return Admit(admission, quota)
 

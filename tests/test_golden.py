@@ -78,8 +78,9 @@ def _timeless(response: object) -> object:
     """Blank the decision metadata's clock readings, which differ each run: its start (``started_ns``)
     and the phases' offsets and durations (``name:start_us:duration_us,...``)."""
     assert isinstance(response, dict)
-    decision = response.get("dynamicMetadata", {}).get(METADATA_NAMESPACE)
-    if decision is not None:
+    carried = response.get("dynamicMetadata", {}).get(METADATA_NAMESPACE)
+    if carried is not None:  # the decision rides as one JSON string: shown decoded
+        decision = carried["decision"] = json.loads(carried["decision"])
         decision["started_ns"] = "<ns>"
         decision["phases"] = re.sub(r":\d+", ":<us>", decision["phases"])
     return response

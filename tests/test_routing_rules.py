@@ -161,7 +161,8 @@ def test_the_gateway_routes_by_rule(gateway: Gateway, body: dict[str, object], r
     assert headers["x-gateway-destination-endpoint"] == {"general": "10.0.0.1:8000", "long": "10.0.2.1:8000"}[pool]
     sent = orjson.loads(decision.body) if decision.body is not None else body
     assert sent["model"] == model  # the pod is asked for the model it serves
-    (_, metadata), = decision.metadata
+    (_, carried), = decision.metadata
+    metadata = orjson.loads(carried["decision"])
     assert (metadata["rule"], metadata["served_model"], metadata["pool"], metadata["model"]) == (
         rule, model, pool, body["model"])
 
