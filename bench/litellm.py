@@ -30,7 +30,8 @@ The proxy gets a minimal environment (PATH, HOME, LANG, TMPDIR: no ``*_PROXY``, 
   release refuses to start), or ``master_key=`` for one that every client must send.
 
 No database, Redis, cache or callback is configured: each request takes LiteLLM's default path
-(auth, router, the OpenAI provider over its aiohttp transport, cost and usage accounting).
+(auth, router, the OpenAI provider over its aiohttp transport, cost and usage accounting). The
+first chat after start costs ~0.6 s more, lazy imports (CPU, no I/O): warm it up before measuring.
 Checked with ``strace -f -e trace=connect`` (``--selftest`` does it when strace is installed):
 with these settings the proxy connects only to the upstream; without them it sends DNS queries
 for the cost map's host at import.
@@ -138,7 +139,7 @@ def proxy_env(venv: Path, master_key: str | None = None) -> dict[str, str]:
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+        return int(probe.getsockname()[1])
 
 
 def _answers(url: str) -> bool:
@@ -146,7 +147,7 @@ def _answers(url: str) -> bool:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
         with opener.open(url, timeout=2) as response:
-            return response.status == 200
+            return bool(response.status == 200)
     except (urllib.error.URLError, OSError):
         return False
 
@@ -161,10 +162,13 @@ def start_proxy(upstream: str, models: list[str], log_dir: Path, *, master_key: 
     (``http://127.0.0.1:PORT``, the OpenAI API under ``/v1``) once ``/health/liveliness`` answers.
 
     Config and output (``litellm.yaml``, ``litellm.log``) go to ``log_dir``. The process leads its
-    own session: ``stop_proxy`` ends the group. ``trace_connects``: run it under
+    own session: ``stop_proxy`` ends the group. ``master_key``: clients must send it as their bearer
+    token (this release answers a request without it with a 500, not a 401: its error path imports
+    prisma, which ``[proxy]`` does not install). ``trace_connects``: run it under
     ``strace -f -e trace=connect`` writing there (slower; for checking where it connects).
     """
     venv = ensure_venv()
+    log_dir = log_dir.resolve()  # the proxy runs in it
     log_dir.mkdir(parents=True, exist_ok=True)
     config = log_dir / "litellm.yaml"
     config.write_text(yaml.safe_dump(proxy_config(upstream, models), sort_keys=False))
@@ -229,11 +233,12 @@ class ChatCheck:
 
 def check_chats(base_url: str, model: str, api_key: str = "sk-bench-dummy") -> ChatCheck:
     """One plain and one streamed chat (``stream_options.include_usage``) with the official client."""
-    import httpx  # only the self-test needs the client stack
-    from openai import OpenAI
+    from openai import DefaultHttpxClient, OpenAI  # only the self-test needs the client
+    from openai.types.chat import ChatCompletionMessageParam
 
-    messages = [{"role": "user", "content": "Say hello in five words."}]
-    with httpx.Client(trust_env=False, timeout=60) as http:
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hello in five words."}]
+    # trust_env=False: the caller's *_PROXY variables must not reroute loopback requests.
+    with DefaultHttpxClient(trust_env=False, timeout=60) as http:
         client = OpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, http_client=http)
         plain = client.chat.completions.create(model=model, messages=messages, max_tokens=8)
         plain_ok = bool(plain.choices and plain.choices[0].message.content and plain.usage)

@@ -34,7 +34,7 @@ from extproc.config import LEDGER_PATH_ENV, QUOTA_PATH_ENV, ConfigError, Gateway
 from extproc.gateway import Gateway
 from extproc.keys import RedisKeyTable
 from extproc.ledger import FileLedger, LedgerSink, RedisLedger
-from extproc.memory import return_large_blocks
+from extproc.memory import HeapTrim
 from extproc.offload import BodyAnalyzer
 from extproc.quota import FallbackStore, MemoryStore, OnStoreError, QuotaStore
 from extproc.quota.redis_store import RedisStore
@@ -193,14 +193,17 @@ async def watch_config(path: Path, gateway: Gateway, interval: float = RELOAD_IN
 async def housekeeping(gateway: Gateway, settlement: Settlement, metrics: GatewayMetrics, store: QuotaStore,
                        ledger: LedgerSink | None, classifier: IntentClassifier | None = None,
                        states: PodStates | None = None, cache: ResponseCache | None = None) -> None:
-    """Once a second: copy the quota store's and the ledger's counters into the metrics; every few
-    seconds, report the requests decided here whose access-log entries never came."""
+    """Once a second: copy the quota store's and the ledger's counters into the metrics, and give
+    the large bodies' freed memory back to the system; every few seconds, report the requests
+    decided here whose access-log entries never came."""
     stats = store.stats if isinstance(store, FallbackStore) else None
+    trim = HeapTrim()
     last_sweep = time.monotonic()
     while True:
         metrics.sync(stats, ledger, classifier.stats if classifier is not None else None,
                      len(states.snapshot()) if states is not None else None,
                      cache.counters if cache is not None else None)
+        trim()
         if time.monotonic() - last_sweep >= HOUSEKEEPING_S:
             settlement.unsettled(gateway.router.forget_stale())
             last_sweep = time.monotonic()
@@ -308,7 +311,6 @@ def main(argv: list[str] | None = None) -> None:
                         help="serve Prometheus /metrics here (one worker; `llmgw serve` sums several)")
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
-    return_large_blocks()  # a refused 1 MiB body's memory goes back to the system
     config = load_config(args.config)
     host = args.host or config.server.host
     port = config.server.port if args.port is None else args.port

@@ -20,6 +20,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -28,7 +29,7 @@ from extproc.api import ApiError, Operation
 from extproc.body import BodyFacts, BodyLimits, Routing, analyze
 from extproc.tokens import BpeEstimator, TokenEstimator
 from extproc.decisions import Analyze
-from extproc.memory import return_large_blocks
+from extproc.memory import HeapTrim
 
 log = logging.getLogger("llmgw.offload")
 MAX_QUEUED_BYTES = 64 << 20
@@ -75,7 +76,15 @@ def _helper_init(parent: int) -> None:
     if os.getppid() != parent:
         os._exit(1)
     os.nice(HELPER_NICENESS)
-    return_large_blocks()
+    threading.Thread(target=_trim_forever, name="heap-trim", daemon=True).start()
+
+
+def _trim_forever() -> None:
+    """In the helper: the large bodies' memory goes back to the system once they are gone."""
+    trim = HeapTrim()
+    while trim.available:
+        time.sleep(1.0)
+        trim()
 
 
 def _warm() -> None:
