@@ -6,7 +6,8 @@ One Envoy serves a listener per lane, all reaching the same two simulated pods:
 - ``null``: the gateway's filters calling a null ext_proc server (the floor Python grpc.aio sets);
 - ``bare``: the gateway as configured without tenants (no auth, no limits);
 - ``full``: the policy users run: a tenant with an API key and limits too high to bite (SQLite
-  quota store), prices, the usage ledger (JSON lines) and Prometheus metrics (multiprocess files);
+  quota store), prices, the models' tokenizer (DeepSeek's), the usage ledger (JSON lines) and
+  Prometheus metrics (multiprocess files);
 - ``tracing`` (``--tracing``): ``full`` plus ``tracing:`` at 100 % sampling, exported over OTLP/HTTP
   to a local receiver that counts what arrives (skipped, with a note, where the config rejects it).
 
