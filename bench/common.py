@@ -70,6 +70,17 @@ def process_tree(pid: int, children: dict[int, list[int]] | None = None) -> list
     return tree
 
 
+def resident_mb(pids: list[int]) -> float:
+    """The resident set sizes of ``pids`` and their descendants, summed (MiB; a gone process is 0)."""
+    children, total = _children_of(), 0
+    for pid in {p for root in pids for p in process_tree(root, children)}:
+        try:
+            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / 2**20
+
+
 def thread_cpu_ns(pid: int) -> int:
     """On-CPU time of the live threads of ``pid`` in nanoseconds, 0 once it is gone.
 
@@ -304,7 +315,7 @@ def median(values: list[float]) -> float:
 
 def emit(name: str, result: dict[str, object]) -> None:
     """Print the one JSON line and keep a copy under bench/results/."""
-    line = orjson.dumps(result).decode()
+    line = orjson.dumps(result, option=orjson.OPT_NON_STR_KEYS).decode()
     print(line, flush=True)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(line + "\n")

@@ -98,11 +98,13 @@ def ensure_venv() -> Path:
     return VENV
 
 
-def proxy_config(upstream: str, models: list[str]) -> dict[str, object]:
-    """LiteLLM's config: each model name served by ``openai/<name>`` at ``http://<upstream>/v1``."""
+def proxy_config(upstream: str | dict[str, str], models: list[str]) -> dict[str, object]:
+    """LiteLLM's config: each model name served by ``openai/<name>`` at ``http://<upstream>/v1``
+    (``upstream``: one host:port for all, or one per model name)."""
+    where = upstream if isinstance(upstream, dict) else dict.fromkeys(models, upstream)
     return {
         "model_list": [{"model_name": name,
-                        "litellm_params": {"model": f"openai/{name}", "api_base": f"http://{upstream}/v1",
+                        "litellm_params": {"model": f"openai/{name}", "api_base": f"http://{where[name]}/v1",
                                            "api_key": "sk-bench-dummy"}}
                        for name in models],
         "general_settings": {"disable_model_info_refresh": True},
@@ -156,9 +158,9 @@ def _tail(path: Path, lines: int = 20) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def start_proxy(upstream: str, models: list[str], log_dir: Path, *, master_key: str | None = None,
+def start_proxy(upstream: str | dict[str, str], models: list[str], log_dir: Path, *, master_key: str | None = None,
                 timeout_s: float = 180.0, trace_connects: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
-    """Start LiteLLM before ``upstream`` (host:port) serving ``models``; return it and its base URL
+    """Start LiteLLM before ``upstream`` (host:port, or one per model) serving ``models``; return it and its base URL
     (``http://127.0.0.1:PORT``, the OpenAI API under ``/v1``) once ``/health/liveliness`` answers.
 
     Config and output (``litellm.yaml``, ``litellm.log``) go to ``log_dir``. The process leads its

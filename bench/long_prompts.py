@@ -9,10 +9,15 @@ concurrency limits, prices, the model's tokenizer, the SQLite quota store, the l
 metrics). Bodies are RAG-sized chats: a short system prompt and one user turn of this repository's
 prose. Cases, each over every lane, rounds alternating the lanes' order:
 
-- ``stream_220k_c20``: 220 KB streamed (16 tokens), 20 at a time;
+- ``stream_220k_c20``: 220 KB streamed (16 tokens), 20 at a time (closed loop: on 2 cores the
+  gateway's CPU per request sets the rate, so this time to first event is mostly queueing);
+- ``stream_220k_c1``: the same one at a time (what the gateway adds to one request's latency);
 - ``plain_1m_c4`` and ``plain_4m_c4``: 1 MB and 4 MB, 4 at a time;
 - ``burst_5m``: 4 clients sending 5 MB bodies while another tenant sends 4 KB requests one at a
-  time (its p50/p99, against the same probe alone).
+  time (its p50/p99, against the same probe alone);
+- ``refused_1m``: after the rounds, 1,000 bodies of 1 MiB that the gateway refuses (400: a bad
+  field, found once the body is parsed), 20 at a time: how much larger the extproc workers (and
+  helpers) are 3 s later than before them (resident set sizes).
 
 CPU per request is read per process (/proc schedstat: Envoy, each extproc worker with its
 body-analysis helper, the null server, the pod), net of each one's idle rate. Prints one JSON line;
@@ -26,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import os
 import secrets
 import statistics
 import sys
@@ -46,10 +50,12 @@ from bench.common import (
     CpuMeter,
     RunResult,
     StreamRunResult,
+    _Connection,
     build_request,
     calibration_ms,
     emit,
     median,
+    resident_mb,
     run_load,
     run_stream_load,
 )
@@ -65,6 +71,7 @@ PROSE = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 TARGET_ADDED_TTFT_MS = 20.0
 TARGET_GATEWAY_CPU_MS = 10.0
 TARGET_PROBE_P99_MS = 100.0
+TARGET_REFUSED_GROWTH_MB = 64.0  # after 1,000 refused 1 MiB bodies
 
 
 def long_body(size: int, *, stream: bool, max_tokens: int = 16) -> bytes:
@@ -87,7 +94,7 @@ def config(pod: str, keys: dict[str, str]) -> dict[str, Any]:
     """The full policy: a tenant per key with limits too high to bite, prices, the tokenizer."""
     limits = {"rpm": 100_000_000, "tpm": 1_000_000_000_000, "concurrency": 100_000}
     return {
-        "server": {"max_body_bytes": 8 << 20, **({"offload_body_bytes": int(os.environ["BENCH_OFFLOAD"])} if os.environ.get("BENCH_OFFLOAD") else {})},
+        "server": {"max_body_bytes": 8 << 20},
         "pools": [{"name": "instant", "endpoints": [pod]}],
         "models": [{"name": MODEL, "pool": "instant", "tokenizer": TOKENIZER, "max_model_len": 4_000_000,
                     "price": {"input": 0.05, "output": 0.08}}],
@@ -128,6 +135,7 @@ class LongBench:
         self.idle_rate: dict[str, float] = {}
         self.samples: dict[tuple[str, str], list[Sample]] = {}
         self.bursts: list[dict[str, float]] = []
+        self.refusals: dict[str, float] = {}
 
     def raw(self, port: int, case: Case, key: str | None = None) -> bytes:
         headers = {"authorization": f"Bearer {key or self.key}"}
@@ -171,7 +179,6 @@ class LongBench:
 
         async def probe_for(stop: asyncio.Event | None, count: int) -> list[float]:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            from bench.common import _Connection
             connection, times = _Connection(reader, writer), []
             while (stop is None and len(times) < count) or (stop is not None and not stop.is_set()):
                 started = time.perf_counter()
@@ -195,10 +202,42 @@ class LongBench:
                 "probe_during_p99_ms": round(sorted(during)[max(0, int(len(during) * 0.99) - 1)], 2),
                 "probe_requests_during": len(during)}
 
-    async def run(self, cases: list[Case], rounds: int, burst: tuple[int, int]) -> None:
+    async def refused(self, pids: list[int], requests: int) -> dict[str, float]:
+        """``requests`` bodies of 1 MiB refused with a 400, 20 at a time: the extproc processes'
+        resident memory before, and 3 s after (the heap is trimmed within a second or so). Each on a
+        connection of its own: Envoy closes the connection after a local reply to a body it refused."""
+        body = orjson.dumps({"model": MODEL, "n": -1, "messages": [{"role": "user", "content": "x" * (1 << 20)}]})
+        port = self.lanes["full"]
+        raw = build_request("127.0.0.1", port, "/v1/chat/completions", body, {"authorization": f"Bearer {self.key}"})
+        before = resident_mb(pids)
+        statuses: dict[str, int] = {}
+        left = requests
+
+        async def client() -> None:
+            nonlocal left
+            while left > 0:
+                left -= 1
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                try:
+                    status = await _Connection(reader, writer).request(raw)
+                except (ConnectionError, asyncio.IncompleteReadError):
+                    status = 0
+                finally:
+                    writer.close()
+                statuses[str(status)] = statuses.get(str(status), 0) + 1
+
+        await asyncio.gather(*(client() for _ in range(20)))
+        await asyncio.sleep(3.0)
+        after = resident_mb(pids)
+        return {"requests": requests, "not_400": requests - statuses.get("400", 0), "statuses": statuses,
+                "rss_before_mb": round(before, 1), "rss_after_mb": round(after, 1),
+                "growth_mb": round(after - before, 1)}
+
+    async def run(self, cases: list[Case], rounds: int, burst: tuple[int, int], refused: tuple[list[int], int]
+                  ) -> None:
         lanes = list(self.lanes)
         with Progress(transient=True, console=Console(stderr=True)) as progress:
-            task = progress.add_task("long prompts", total=len(lanes) * (1 + rounds * len(cases)) + rounds)
+            task = progress.add_task("long prompts", total=len(lanes) * (1 + rounds * len(cases)) + rounds + 1)
             for lane in lanes:  # connections, the tokenizer, the helper process
                 for case in cases:
                     await self.load(self.lanes[lane], Case(case.name, case.size, case.stream, 2, 4))
@@ -215,6 +254,9 @@ class LongBench:
                 progress.update(task, description=f"round {round_ + 1}/{rounds} 5 MB burst")
                 self.bursts.append(await self.burst(*burst))
                 progress.advance(task)
+            progress.update(task, description=f"{refused[1]} refused 1 MiB bodies")
+            self.refusals = await self.refused(*refused)
+            progress.advance(task)
 
 
 def summarize(bench: LongBench, cases: list[Case]) -> dict[str, Any]:
@@ -289,6 +331,7 @@ def main() -> None:
     args = parser.parse_args()
     scale = 4 if args.quick else 1
     cases = [Case("stream_220k_c20", 220_000, True, 20, 200 // scale),
+             Case("stream_220k_c1", 220_000, True, 1, 40 // scale),
              Case("plain_1m_c4", 1 << 20, False, 4, 40 // scale),
              Case("plain_4m_c4", 4 << 20, False, 4, 20 // scale)]
     rounds = 1 if args.quick else args.rounds
@@ -316,7 +359,8 @@ def main() -> None:
             lanes = {"envoy": ports.direct, "null": ports.null, "full": int(info.base_url.rpartition(":")[2])}
             bench = LongBench(lanes, CpuMeter(pids), key, probe_key)
             calibrated = calibration_ms()
-            asyncio.run(bench.run(cases, rounds, (5 << 20, 16 // scale)))
+            workers = [pid for name, pid in pids.items() if name.startswith("extproc")]
+            asyncio.run(bench.run(cases, rounds, (5 << 20, 16 // scale), (workers, 1000 // scale)))
             calibration = (calibrated, calibration_ms())
             exits = [e.describe() for e in (*group.exits, *stack.group.exits)]
         finally:
@@ -340,9 +384,13 @@ def main() -> None:
         "burst_5m.probe_p99_ms": {"limit": TARGET_PROBE_P99_MS, "value": burst["probe_during_p99_ms"],
                                   "met": burst["probe_during_p99_ms"] <= TARGET_PROBE_P99_MS
                                   and burst["heavy_errors"] == 0},
+        "refused_1m.growth_mb": {"limit": TARGET_REFUSED_GROWTH_MB, "value": bench.refusals["growth_mb"],
+                                 "met": bench.refusals["growth_mb"] <= TARGET_REFUSED_GROWTH_MB
+                                 and bench.refusals["not_400"] == 0},
     }
     result = {"bench": "long_prompts", "rounds": rounds, "targets": targets,
               "met": all(t["met"] for t in targets.values()), "cases": results, "burst_5m": burst,
+              "refused_1m": bench.refusals,
               "setup": {"extproc_workers": args.workers, "cases": {c.name: c.requests for c in cases},
                         "burst": "4 clients x 5 MB bodies while a second tenant sends 4 KB requests at c=1",
                         "calibration_ms": calibration, "child_exits": exits,
