@@ -15,9 +15,9 @@ prose. Cases, each over every lane, rounds alternating the lanes' order:
 - ``plain_1m_c4`` and ``plain_4m_c4``: 1 MB and 4 MB, 4 at a time;
 - ``burst_5m``: 4 clients sending 5 MB bodies while another tenant sends 4 KB requests one at a
   time (its p50/p99, against the same probe alone);
-- ``refused_1m``: after the rounds, 1,000 bodies of 1 MiB that the gateway refuses (400: a bad
-  field, found once the body is parsed), 20 at a time: how much larger the extproc workers (and
-  helpers) are 3 s later than before them (resident set sizes).
+- ``refused_1m``: first of all, on the freshly started workers, 1,000 bodies of 1 MiB that the
+  gateway refuses (400: a bad field, found once the body is parsed), 20 at a time: how much larger
+  the extproc workers (and helpers) are 3 s later than before them (resident set sizes).
 
 CPU per request is read per process (/proc schedstat: Envoy, each extproc worker with its
 body-analysis helper, the null server, the pod), net of each one's idle rate. Prints one JSON line;
@@ -55,6 +55,7 @@ from bench.common import (
     calibration_ms,
     emit,
     median,
+    process_tree,
     resident_mb,
     run_load,
     run_stream_load,
@@ -209,6 +210,12 @@ class LongBench:
         body = orjson.dumps({"model": MODEL, "n": -1, "messages": [{"role": "user", "content": "x" * (1 << 20)}]})
         port = self.lanes["full"]
         raw = build_request("127.0.0.1", port, "/v1/chat/completions", body, {"authorization": f"Bearer {self.key}"})
+        deadline = time.monotonic() + 60
+        while any(len(process_tree(pid)) < 3 for pid in pids):  # each worker's helper (and its tracker) started
+            if time.monotonic() > deadline:
+                raise SystemExit("the extproc workers' body-analysis helpers did not start")
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)  # the helpers' imports
         before = resident_mb(pids)
         statuses: dict[str, int] = {}
         left = requests
@@ -238,6 +245,9 @@ class LongBench:
         lanes = list(self.lanes)
         with Progress(transient=True, console=Console(stderr=True)) as progress:
             task = progress.add_task("long prompts", total=len(lanes) * (1 + rounds * len(cases)) + rounds + 1)
+            progress.update(task, description=f"{refused[1]} refused 1 MiB bodies")
+            self.refusals = await self.refused(*refused)  # first: the workers as they start
+            progress.advance(task)
             for lane in lanes:  # connections, the tokenizer, the helper process
                 for case in cases:
                     await self.load(self.lanes[lane], Case(case.name, case.size, case.stream, 2, 4))
@@ -254,9 +264,6 @@ class LongBench:
                 progress.update(task, description=f"round {round_ + 1}/{rounds} 5 MB burst")
                 self.bursts.append(await self.burst(*burst))
                 progress.advance(task)
-            progress.update(task, description=f"{refused[1]} refused 1 MiB bodies")
-            self.refusals = await self.refused(*refused)
-            progress.advance(task)
 
 
 def summarize(bench: LongBench, cases: list[Case]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -248,6 +249,10 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     server, processor, health = await build_server(config, gateway, store, settlement, analyzer, classifier, cache)
     await prepare_semantic_cache(processor.semantic, config)
     bound = server.add_insecure_port(f"{host}:{port}")
+    # What is loaded by now (config, tokenizers, schemas, metrics) lives as long as the process:
+    # the cyclic collector need not walk it again at each full collection.
+    gc.collect()
+    gc.freeze()
     await server.start()
     ready(bound)
     # The helper process for large bodies starts (~1 s of imports) while small ones are served.
