@@ -18,7 +18,9 @@ key included). Rounds alternate the lanes; figures are medians. CPU is read per 
 (/proc schedstat): Envoy, each pod, the null server, each extproc worker and its children (the
 body-analysis helper), net of what each spends idle (measured before the rounds). A phase ends
 only once its lane's deferred work is done (observer streams close 5 s after their request, access
-logs and spans leave in batches), so that work counts for it and not for the next phase.
+logs and spans leave in batches), so that work counts for it and not for the next phase. Each
+round ends with 2,000 plain requests to the ``full`` lane carrying a key nobody has (401s, c=32):
+the gateway's CPU per rejection (``rejected_key_c32``).
 Prints one JSON line; writes bench/results/overhead.json and overhead.png (``--profile``: a py-spy
 speedscope of one ``full`` worker under streamed load, too).
 
@@ -92,6 +94,7 @@ TARGET_CPU_MS = {"bare": 0.6, "full": 1.0}  # extproc CPU per plain request at c
 TARGET_STREAM_RATIO = 1.1  # extproc CPU per streamed request / per plain request
 TARGET_ADDED_ENVOY_US_PER_CHUNK = 5.0  # Envoy CPU per streamed chunk, gateway minus Envoy alone
 TARGET_TRACING_RATIO = 1.25  # extproc CPU, tracing on / off, c=32
+TARGET_REJECTED_CPU_MS = 0.3  # Envoy + extproc CPU per request with an unknown key, c=32
 # OpenTelemetry's BatchSpanProcessor exports every OTEL_BSP_SCHEDULE_DELAY ms (default 5000): spans
 # of a phase may leave that long after it, so the tracing lane waits that out too.
 SPAN_EXPORT_S = float(os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "5000")) / 1000
@@ -407,6 +410,7 @@ class Bench:
     profile_path: Path | None = None
     profile_stream: bool = True
     samples: dict[tuple[str, str], list[Sample]] = field(default_factory=dict)
+    rejections: list[dict[str, float]] = field(default_factory=list)  # per round: random keys on the full lane
     foreign_cpu_pct: float = 0.0  # of one core, during the rounds: what no process of the bench used
     calibration_ms: tuple[float, float] = (0.0, 0.0)  # `calibration_ms` before and after the rounds
     idle_rate: dict[str, float] = field(default_factory=dict)  # CpuMeter name -> CPU seconds per second
@@ -457,6 +461,10 @@ class Bench:
                         progress.update(task, description=f"round {round_ + 1}/{self.rounds} {case.name} {lane.name}")
                         self.samples.setdefault((lane.name, case.name), []).append(await self.measure(lane, case))
                         progress.advance(task)
+                full = next((lane for lane in self.lanes if lane.name == "full"), None)
+                if full is not None:
+                    progress.update(task, description=f"round {round_ + 1}/{self.rounds} random keys, full")
+                    self.rejections.append(await self.rejected(full))
             foreign = machine_busy_seconds() - busy - (self._own_cpu_s() - mine)
             self.foreign_cpu_pct = round(100 * foreign / (time.perf_counter() - started), 1)
             self.calibration_ms = (calibrated, calibration_ms())
@@ -493,6 +501,21 @@ class Bench:
             return Sample(result.rps, result.p(50), result.p(99), cpu, result.first_event_p(50),
                           result.first_event_p(99), statistics.median(result.events))
         return Sample(result.rps, result.p(50), result.p(99), cpu)
+
+    async def rejected(self, lane: Lane, requests: int = 2000) -> dict[str, float]:
+        """``requests`` plain requests with a key nobody has (401s), 32 at a time: the gateway's CPU
+        per rejection (Envoy, and the lane's extproc workers), net of idle rates."""
+        bad = {**self.headers, "authorization": f"Bearer sk-{secrets.token_hex(24)}"}
+        raw = build_request("127.0.0.1", lane.port, "/v1/chat/completions", chat_body(), bad)
+        before, started = self.meter.read(), time.perf_counter()
+        result = await run_load("127.0.0.1", lane.port, raw, concurrency=32, requests=requests)
+        await asyncio.sleep(lane.tail_s)
+        used = CpuMeter.used(before, self.meter.read())
+        wall = time.perf_counter() - started
+        cpu = {name: (seconds - self.idle_rate.get(name, 0.0) * wall) * 1000 / requests for name, seconds in used.items()}
+        extproc = sum(v for name, v in cpu.items() if name.startswith(lane.own))
+        return {"served": requests - result.errors, "p50_ms": round(result.p(50), 3), "envoy_cpu_ms": round(cpu.get("envoy", 0.0), 4),
+                "extproc_cpu_ms": round(extproc, 4), "gateway_cpu_ms": round(cpu.get("envoy", 0.0) + extproc, 4)}
 
     async def profiled(self, lane: Lane, case: Case) -> dict[str, Any]:
         """An extra, unmeasured run under py-spy (sampling every thread of one worker)."""
@@ -900,10 +923,18 @@ def main() -> None:
     concurrencies = [1, 32]
     derived = derive(lane_results, concurrencies, tracing_note)
     goals = targets(derived, concurrencies)
+    rejected = None
+    if bench.rejections:  # a key nobody has: answered 401 by extproc, at c=32
+        rejected = {key: median([r[key] for r in bench.rejections]) for key in bench.rejections[0]}
+        rejected["served"] = sum(r["served"] for r in bench.rejections)
+        goals["rejected_key_gateway_cpu_ms_c32"] = {"limit": TARGET_REJECTED_CPU_MS, "value": rejected["gateway_cpu_ms"],
+                                                    "met": rejected["gateway_cpu_ms"] <= TARGET_REJECTED_CPU_MS
+                                                    and rejected["served"] == 0}
     result: dict[str, Any] = {
         "bench": "overhead", "request_bytes": len(chat_body()), "rounds": args.rounds,
         "stream_tokens": STREAM_TOKENS, **{k: v for k, v in derived.items()},
         "targets": goals, "met": all(g["met"] for g in goals.values()),
+        **({"rejected_key_c32": rejected} if rejected is not None else {}),
         "lanes": lane_results, "checks": checks,
     }
     if bench.profile is not None:
