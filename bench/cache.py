@@ -779,7 +779,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax = axes[1][0]
     ax.bar(fx, [fail[n]["success_rate"] * 100 for n in FAIL_LANES], width=0.5, color=["tab:green", "tab:red"])
     ax.axhline(REFERENCE["success_rate"] * 100, color="grey", linestyle="--", label="reference 92.3%")
-    for x, n in zip(fx, FAIL_LANES):
+    for x, n in zip(fx, FAIL_LANES, strict=True):
         ax.annotate(f"{fail[n]['success_rate'] * 100:.1f}%", (x, fail[n]["success_rate"] * 100), ha="center",
                     va="bottom", fontsize=9)
     ax.set_xticks(fx, ["fallback chain", "no chain"])
@@ -799,7 +799,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     ax = axes[1][2]
     setup = result["pool_failure"]["setup"]
-    for lane, color in zip(FAIL_LANES, ("tab:green", "tab:red")):
+    for lane, color in zip(FAIL_LANES, ("tab:green", "tab:red"), strict=True):
         points = result["pool_failure"]["timeline_last_round"][lane]
         ax.plot([i + 0.5 for i, p in enumerate(points) if p is not None], [p * 100 for p in points if p is not None],
                 "o-", color=color, label=lane, markersize=3)

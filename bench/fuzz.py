@@ -1200,8 +1200,14 @@ def _tracebacks(log_dir: Path) -> int:
 
 async def _fuzz(args: argparse.Namespace, base_url: str) -> tuple[Tally, float, dict[str, Any]]:
     from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     columns = (TextColumn("fuzz"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[violations]} violations"), TimeElapsedColumn(), TimeRemainingColumn())

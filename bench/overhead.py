@@ -565,7 +565,7 @@ def top_self_frames(path: Path, count: int = 10) -> dict[str, Any]:
     python: dict[tuple[str, str], float] = {}
     busy = idle = 0.0
     for profile in data["profiles"]:
-        for stack, weight in zip(profile["samples"], profile["weights"]):
+        for stack, weight in zip(profile["samples"], profile["weights"], strict=True):
             if not stack:
                 continue
             inner_python = next((i for i in reversed(stack) if str(frames[i].get("file", "")).endswith(".py")),
@@ -711,7 +711,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax = axes[0][1]
     ax.bar([x - 0.2 for x in xs], [lanes[n][f"plain_c{top}"]["p50_ms"] for n in names], width=0.4, label="p50")
     ax.bar([x + 0.2 for x in xs], [lanes[n][f"plain_c{top}"]["p99_ms"] for n in names], width=0.4, label="p99")
-    for x, n in zip(xs, names):
+    for x, n in zip(xs, names, strict=True):
         ax.annotate(f"{lanes[n][f'plain_c{top}']['rps']:.0f}/s", (x, 0), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(xs, ticks)
     ax.set_ylabel("ms")
@@ -736,7 +736,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
             ax.bar([x + offset for x in xs], values, width=width, bottom=bottom,
                    label=label if offset < 0 else None, color=f"C{groups.index((key, label))}",
                    hatch="//" if offset > 0 else None, edgecolor="white")
-            bottom = [b + v for b, v in zip(bottom, values)]
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.set_xticks(xs, ticks)
     ax.set_ylabel("CPU ms per request")
     ax.set_title(f"CPU per request by process, c={top}: plain (left), streamed 256 tokens (right, hatched)")

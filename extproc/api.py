@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -92,8 +92,8 @@ class RefusalPart(_Part):
     refusal: str
 
 
-ContentPart = Annotated[Union[TextPart, ImagePart, AudioPart, RefusalPart], Field(discriminator="type")]
-Content = Union[str, list[ContentPart]]
+ContentPart = Annotated[TextPart | ImagePart | AudioPart | RefusalPart, Field(discriminator="type")]
+Content = str | list[ContentPart]
 
 
 class FunctionCall(_Part):
@@ -160,7 +160,7 @@ class FunctionMessage(_Part):
 
 
 Message = Annotated[
-    Union[SystemMessage, UserMessage, AssistantMessage, ToolMessage, FunctionMessage],
+    SystemMessage | UserMessage | AssistantMessage | ToolMessage | FunctionMessage,
     Field(discriminator="role"),
 ]
 
@@ -222,7 +222,7 @@ class JsonSchemaFormat(_Part):
     json_schema: JsonSchema
 
 
-ResponseFormat = Annotated[Union[TextFormat, JsonObjectFormat, JsonSchemaFormat], Field(discriminator="type")]
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
 
 
 class StreamOptions(_Part):
@@ -235,7 +235,7 @@ Temperature = Annotated[float, Field(ge=0, le=2)]
 Probability = Annotated[float, Field(ge=0, le=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 PositiveInt = Annotated[int, Field(ge=1)]
-Stop = Union[str, list[str]]
+Stop = str | list[str]
 
 
 class _Request(BaseModel):
@@ -283,7 +283,7 @@ class ChatCompletionRequest(_Request):
 
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
-Prompt = Union[str, list[str], TokenIds, list[TokenIds]]
+Prompt = str | list[str] | TokenIds | list[TokenIds]
 
 
 class CompletionRequest(_Request):

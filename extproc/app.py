@@ -39,8 +39,8 @@ from extproc.memory import HeapTrim
 from extproc.offload import BodyAnalyzer
 from extproc.quota import FallbackStore, MemoryStore, OnStoreError, QuotaStore
 from extproc.quota.redis_store import RedisStore
-from extproc.routing.picker import Picker
 from extproc.routing.classifier import IntentClassifier
+from extproc.routing.picker import Picker
 from extproc.routing.podstate import PodStates, default_state_path, gather_forever
 from extproc.routing.probe import probe_forever
 from extproc.server import ExternalProcessor

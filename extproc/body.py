@@ -14,12 +14,12 @@ small bodies and in a helper process above ``server.offload_body_bytes``; both g
 from __future__ import annotations
 
 import hashlib
-
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
+
 from extproc.api import ApiError, EmbeddingRequest, Operation, ParsedRequest, load_object, validate
 from extproc.routing.features import PromptFeatures, extract, intent_text
 from extproc.routing.prefix import prefix_hashes

@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
 
@@ -226,7 +226,7 @@ def _since_ms(text: str | None) -> int:
         return int((time.time() - int(text[:-1]) * units[text[-1]]) * 1000)
     moment = datetime.fromisoformat(text)
     if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
+        moment = moment.replace(tzinfo=UTC)
     return int(moment.timestamp() * 1000)
 
 

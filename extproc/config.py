@@ -19,10 +19,10 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from extproc.chat_template import ChatTemplateError, JinjaChatTemplate, load_chat_template
-from extproc.quota.limits import UNLIMITED, Limits, Quota
 from extproc.pricing import Prices
-from extproc.routing.rules import Match, Range, Rule
+from extproc.quota.limits import UNLIMITED, Limits, Quota
 from extproc.resources import resolve_resource
+from extproc.routing.rules import Match, Range, Rule
 
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@-]*$")

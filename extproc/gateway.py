@@ -27,10 +27,10 @@ from extproc.accounting import CACHE_HIT, CACHE_STALE, RequestRecord, Usage, cac
 from extproc.api import OPERATIONS_BY_PATH, ApiError
 from extproc.auth import CHALLENGE, UNAUTHORIZED, authenticate
 from extproc.body import NO_RULES, BodyFacts, BodyLimits, Routing, analyze, with_model, with_served_model
-from extproc.catalog import model_card, models_list
-from extproc.config import CacheSpec, GatewayConfig, Model, Pool
 from extproc.cache.answers import cache_key, render, usage_of
 from extproc.cache.warm import WarmUp
+from extproc.catalog import model_card, models_list
+from extproc.config import CacheSpec, GatewayConfig, Model, Pool
 from extproc.decisions import (
     Admit,
     Analyze,
@@ -54,8 +54,7 @@ from extproc.quota.store import StoreUnavailable
 from extproc.routing.breaker import Breakers, BreakerSettings
 from extproc.routing.decision import CACHE_HEADER, Router, decision_of
 from extproc.routing.health import EndpointHealth
-from extproc.routing.picker import PickRequest
-from extproc.routing.picker import EndpointPicker
+from extproc.routing.picker import EndpointPicker, PickRequest
 from extproc.state import RequestState, new_state
 from extproc.telemetry.tracecontext import IdSource, continue_or_start, random_hex, request_id
 from extproc.tokens import BpeEstimator, TokenEstimator

@@ -255,7 +255,7 @@ class ProcessGroup:
                                   f"(see {child.log_path})")
 
     def _log_rest(self, child: Child, pending: bytes) -> None:
-        sink = open(child.log_path, "ab")  # noqa: SIM115 (the copying thread closes it)
+        sink = open(child.log_path, "ab")  # the copying thread closes it
         sink.write(pending)
         assert child.proc.stdout is not None
         threading.Thread(target=_copy_lines, args=(child.proc.stdout, sink), daemon=True,

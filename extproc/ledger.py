@@ -191,7 +191,7 @@ def read_stream(url: str, stream: str = STREAM, since_ms: int = 0) -> Iterator[U
     start = f"{since_ms}-0"
     while True:
         entries = client.xrange(stream, min=start, count=1000)
-        for entry_id, fields in entries:
+        for _entry_id, fields in entries:
             yield UsageRecord.from_json(fields[b"r"])
         if len(entries) < 1000:
             return

@@ -27,9 +27,9 @@ from concurrent.futures.process import BrokenProcessPool
 
 from extproc.api import ApiError, Operation
 from extproc.body import BodyFacts, BodyLimits, Routing, analyze
-from extproc.tokens import BpeEstimator, TokenEstimator
 from extproc.decisions import Analyze
 from extproc.memory import HeapTrim
+from extproc.tokens import BpeEstimator, TokenEstimator
 
 log = logging.getLogger("llmgw.offload")
 MAX_QUEUED_BYTES = 64 << 20

@@ -43,7 +43,7 @@ class RedisServer:
 
     def start(self) -> None:
         """Start the server and wait until it accepts connections."""
-        log = open(self.workdir / f"redis-{self.port}.log", "ab")  # noqa: SIM115  (owned by the child)
+        log = open(self.workdir / f"redis-{self.port}.log", "ab")  # owned by the child
         self.proc = subprocess.Popen(
             [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
              *(("--appendonly", "yes", "--appendfsync", "always") if self.persistent else ("--appendonly", "no")),

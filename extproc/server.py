@@ -18,10 +18,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.api import ApiError
-from extproc.cache.store import ResponseCache
-from extproc.cache.warm import Warmer, WarmUp
 from extproc.cache.semantic import SemanticIndexes
 from extproc.cache.sharing import PromptSharing
+from extproc.cache.store import ResponseCache
+from extproc.cache.warm import Warmer, WarmUp
 from extproc.config import SemanticCacheSpec
 from extproc.decisions import (
     PASS_THROUGH,
@@ -38,9 +38,9 @@ from extproc.decisions import (
 )
 from extproc.gateway import Gateway
 from extproc.offload import BodyAnalyzer
-from extproc.routing.classifier import IntentClassifier
 from extproc.phases import Phase, ProtocolError, Stage, advance, check
 from extproc.quota import MemoryStore, QuotaStore, StoreUnavailable
+from extproc.routing.classifier import IntentClassifier
 from extproc.sinks import Settlement
 from extproc.state import RequestState
 from extproc.wire import headers_to_dict, to_response
@@ -108,7 +108,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             while not isinstance(step, (Continue, Reply)):
                 step = self.gateway.resume(state, step, await self._effects[type(step)](step))
             return step, end_of_stream
-        except Exception:  # noqa: BLE001 (logged with its traceback; the request fails closed)
+        except Exception:  # logged with its traceback; the request fails closed
             log.exception("failed to process %s (request_id=%s)", phase.value, state.request_id)
             lease = self.gateway.settle(state)
             if lease is not None:

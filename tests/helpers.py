@@ -34,7 +34,7 @@ def counting_ids() -> Iterator[str]:
     return (f"{n:x}" for n in itertools.count(1))
 
 
-def deterministic_id_source():  # noqa: ANN201
+def deterministic_id_source():
     """An IdSource giving zero-padded counter ids of the requested size."""
     counter = itertools.count(1)
     return lambda nbytes: f"{next(counter):0{nbytes * 2}x}"
@@ -61,7 +61,7 @@ def post_headers(path: str = "/v1/chat/completions", **extra: str) -> dict[str, 
     return {":method": "POST", ":path": path, ":authority": "gw", "content-type": "application/json", **extra}
 
 
-def make_decision(**overrides: object):  # noqa: ANN201
+def make_decision(**overrides: object):
     """A forwarded request's decision, as extproc attaches it (override any field)."""
     from extproc.accounting import Decision
 

@@ -11,8 +11,8 @@ from extproc.config import hash_key, parse_config
 from extproc.decisions import Admit, Continue, Reply
 from extproc.gateway import Gateway
 from extproc.quota import MemoryStore, StoreUnavailable
-from extproc.state import RequestState
 from extproc.routing.picker import Picker
+from extproc.state import RequestState
 from tests.helpers import CONFIG, post_headers
 
 KEY = "sk-limited"
@@ -169,7 +169,7 @@ async def _process(servicer: object, *messages: object) -> list[object]:
         async def abort(self, code: object, details: str) -> None:
             raise AssertionError(details)
 
-    async def stream():  # noqa: ANN202
+    async def stream():
         for message in messages:
             yield message
 

@@ -106,7 +106,7 @@ def test_advance() -> None:
     ids=["endpoint", "hostname", "unknown-field", "unknown-pool", "duplicate-alias", "negative-limit", "duplicate-pool",
          "qos-limits-unknown-class", "negative-budget", "unknown-budget-period", "no-keys-anywhere", "zero-poll"],
 )
-def test_config_errors_name_the_field(change, message: str) -> None:  # noqa: ANN001
+def test_config_errors_name_the_field(change, message: str) -> None:
     import copy
 
     document = copy.deepcopy(CONFIG)

@@ -9,9 +9,9 @@ import pytest
 
 from extproc.decisions import Continue, Reply
 from extproc.gateway import Gateway
+from extproc.routing.picker import Picker
 from extproc.state import RequestState
 from extproc.validation import DESTINATION_HEADER
-from extproc.routing.picker import Picker
 from tests.helpers import deterministic_id_source, make_config, post_headers
 
 CHAT = b'{"model": "llama-3-8b-instruct", "messages": [{"role": "user", "content": "hi"}]}'

@@ -11,7 +11,7 @@ import pytest
 from extproc.config import PickerSpec, Pool, WeightsSpec
 from extproc.routing.decision import Router
 from extproc.routing.health import EndpointHealth
-from extproc.routing.picker import PickRequest, Picker
+from extproc.routing.picker import Picker, PickRequest
 from extproc.routing.prefix import PrefixIndex, block_hashes, prefix_hashes
 
 PODS = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")

@@ -46,7 +46,7 @@ def body(model: str, text: str, **extra: object) -> bytes:
                                                       {"role": "user", "content": text}], **extra})
 
 
-def start(gw: Gateway, payload: bytes):  # noqa: ANN201 (state, step)
+def start(gw: Gateway, payload: bytes):  # state, step
     state = gw.new_request()
     gw.request_headers(state, {":method": "POST", ":path": "/v1/chat/completions",
                                "content-type": "application/json"}, False)

@@ -8,12 +8,12 @@ import random
 import statistics
 from collections.abc import Iterator
 from pathlib import Path
+from pydoc_data.topics import topics
 from typing import Any
 
 import orjson
 import pytest
 import yaml
-from pydoc_data.topics import topics
 from tokenizers import Tokenizer
 
 from extproc.api import Operation, parse_request

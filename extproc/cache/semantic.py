@@ -138,11 +138,12 @@ _WORD_VALUES: MappingProxyType[str, float] = MappingProxyType({
     "couple": 2, **{f"{word[:-1]}ies": value for word, value in _TENS.items()},  # "the nineties"
     "hundreds": 100, "thousands": 1000, "millions": 1_000_000, "billions": 1_000_000_000,
     **dict(zip("deux trois quatre cinq six huit neuf dix onze douze quinze vingt trente quarante cinquante "
-               "soixante mille".split(), (2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 15, 20, 30, 40, 50, 60, 1000))),
+               "soixante mille".split(), (2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 15, 20, 30, 40, 50, 60, 1000), strict=True)),
     **dict(zip("tres cuatro cinco seis siete ocho nueve diez doce quince veinte treinta cuarenta cincuenta "
-               "cien ciento mil".split(), (3, 4, 5, 6, 7, 8, 9, 10, 12, 15, 20, 30, 40, 50, 100, 100, 1000))),
+               "cien ciento mil".split(), (3, 4, 5, 6, 7, 8, 9, 10, 12, 15, 20, 30, 40, 50, 100, 100, 1000),
+               strict=True)),
     **dict(zip("zwei drei vier fünf sechs sieben acht neun zehn zwölf zwanzig dreißig vierzig fünfzig hundert "
-               "tausend".split(), (2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 20, 30, 40, 50, 100, 1000))),
+               "tausend".split(), (2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 20, 30, 40, 50, 100, 1000), strict=True)),
 })
 _WORD_ORDINALS: MappingProxyType[str, float] = MappingProxyType({
     **_ORDINALS, "premier": 1, "première": 1, "deuxième": 2, "troisième": 3, "primero": 1, "primera": 1,

@@ -32,7 +32,8 @@ import grpc
 import numpy as np
 import orjson
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter as MetricCounter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client import Counter as MetricCounter
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from extproc.accounting import Usage
@@ -319,7 +320,7 @@ class Coordinator:
         leaves one waiting."""
         try:
             await self._send_batch(key, batch, reason)
-        except Exception:  # noqa: BLE001 (logged with its traceback; every member still gets an answer)
+        except Exception:  # logged with its traceback; every member still gets an answer
             log.exception("batch to pod %s failed inside the coordinator", key.endpoint)
             for pending in batch:
                 pending.dispatched.set()

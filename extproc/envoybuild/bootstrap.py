@@ -10,7 +10,14 @@ from extproc.config import GatewaySpec
 from extproc.envoybuild import clusters, filters, logs, names, routes
 from extproc.envoybuild.addresses import Addresses, HostPort
 from extproc.envoybuild.envoyapi import (
-    bootstrapv3, corev3, downstreamconnectionsv3, fixedheapv3, hcmv3, listenerv3, overloadv3, tlsv3,
+    bootstrapv3,
+    corev3,
+    downstreamconnectionsv3,
+    fixedheapv3,
+    hcmv3,
+    listenerv3,
+    overloadv3,
+    tlsv3,
 )
 from extproc.envoybuild.output import seconds, typed
 

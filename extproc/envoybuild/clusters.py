@@ -14,8 +14,18 @@ import betterproto2
 from extproc.envoybuild import names
 from extproc.envoybuild.addresses import HostPort
 from extproc.envoybuild.envoyapi import (
-    clusterv3, corev3, endpointv3, hcmv3, headermutationv3, leastrequestv3, luav3, mutationrulesv3, overridehostv3,
-    protobuf, upstreamcodecv3, upstreamhttpv3,
+    clusterv3,
+    corev3,
+    endpointv3,
+    hcmv3,
+    headermutationv3,
+    leastrequestv3,
+    luav3,
+    mutationrulesv3,
+    overridehostv3,
+    protobuf,
+    upstreamcodecv3,
+    upstreamhttpv3,
 )
 from extproc.envoybuild.filters import lua_source
 from extproc.envoybuild.logs import OVERWRITE

@@ -13,7 +13,17 @@ import betterproto2
 
 from extproc.envoybuild import names
 from extproc.envoybuild.envoyapi import (
-    brotliv3, corev3, decompressorv3, extprocv3, gzipv3, hcmv3, luav3, mutationrulesv3, routerv3, typev3, zstdv3,
+    brotliv3,
+    corev3,
+    decompressorv3,
+    extprocv3,
+    gzipv3,
+    hcmv3,
+    luav3,
+    mutationrulesv3,
+    routerv3,
+    typev3,
+    zstdv3,
 )
 from extproc.envoybuild.logs import extproc_service
 from extproc.envoybuild.output import seconds, typed

@@ -8,7 +8,15 @@ from typing import Any
 from extproc.config import GatewaySpec
 from extproc.envoybuild import names
 from extproc.envoybuild.envoyapi import (
-    accesslogdatav3, accesslogv3, celv3, corev3, grpclogv3, hcmv3, matcherv3, protobuf, streamlogv3,
+    accesslogdatav3,
+    accesslogv3,
+    celv3,
+    corev3,
+    grpclogv3,
+    hcmv3,
+    matcherv3,
+    protobuf,
+    streamlogv3,
 )
 from extproc.envoybuild.output import seconds, typed
 

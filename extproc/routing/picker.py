@@ -130,8 +130,8 @@ class Picker:
         if kind == "scored" and len(candidates) > 1:
             totals = self._totals(candidates, request)
             best = max(totals)
-            chosen = self._tie([e for e, t in zip(candidates, totals) if t >= best - 1e-9])
-            others = [(t, e) for e, t in zip(candidates, totals) if e != chosen]
+            chosen = self._tie([e for e, t in zip(candidates, totals, strict=True) if t >= best - 1e-9])
+            others = [(t, e) for e, t in zip(candidates, totals, strict=True) if e != chosen]
             fallback = max(others)[1] if others else None
         else:
             chosen = self._choose(candidates, request, None)
@@ -198,7 +198,7 @@ class Picker:
             return candidates[turn % len(candidates)]
         totals = self._totals(candidates, request)
         best = max(totals)
-        return self._tie([e for e, t in zip(candidates, totals) if t >= best - 1e-9])
+        return self._tie([e for e, t in zip(candidates, totals, strict=True) if t >= best - 1e-9])
 
     def _columns(self, candidates: tuple[str, ...], request: PickRequest) -> list[tuple[str, float, list[float]]]:
         """(scorer, weight, each candidate's score) for every scorer with a weight."""

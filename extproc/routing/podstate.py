@@ -369,7 +369,7 @@ class _Scraper:
         self._rounds += 1
         fresh = await asyncio.gather(*(self._scrape(ep, known.get(ep)) for ep in endpoints))
         pods: dict[str, PodState] = {}
-        for endpoint, state in zip(endpoints, fresh):
+        for endpoint, state in zip(endpoints, fresh, strict=True):
             if state is None:
                 state = known.get(endpoint)
             if state is not None:

@@ -22,7 +22,7 @@ async def _probe(session: aiohttp.ClientSession, pool: Pool, endpoint: str) -> b
         async with session.get(f"http://{endpoint}{pool.health.path}",
                                timeout=aiohttp.ClientTimeout(total=pool.health.timeout_s)) as response:
             return 200 <= response.status < 300
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+    except (TimeoutError, aiohttp.ClientError, OSError):
         return False
 
 
@@ -37,7 +37,7 @@ async def probe_forever(config: Callable[[], GatewayConfig], health: EndpointHea
             if current.server.coordinator is not None and pools:  # probed like a pod, on /health
                 targets.append((_COORDINATOR_POOL, current.server.coordinator))
             results = await asyncio.gather(*(_probe(session, pool, endpoint) for pool, endpoint in targets))
-            for (pool, endpoint), healthy in zip(targets, results):
+            for (pool, endpoint), healthy in zip(targets, results, strict=True):
                 if health.probed(endpoint, healthy):
                     if healthy:
                         log.info("pod %s of pool %s answers its health probe again", endpoint, pool.name)

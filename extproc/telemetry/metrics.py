@@ -13,22 +13,21 @@ node and serves the sum of every worker's files on one ``/metrics`` port (``serv
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
-import math
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client import multiprocess
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, start_http_server
 
-from extproc.cache.store import CacheCounters
-from extproc.routing.breaker import STATE_VALUES
-from extproc.ledger import LedgerSink, RedisLedger
 from extproc.accounting import CACHED, REJECTED, RequestRecord
+from extproc.cache.store import CacheCounters
+from extproc.ledger import LedgerSink, RedisLedger
 from extproc.quota import FallbackStats
+from extproc.routing.breaker import STATE_VALUES
 from extproc.routing.classifier import ClassifierStats
 from extproc.routing.podstate import PodState, PoolLoad, pool_loads
 

@@ -186,7 +186,7 @@ class _CacheReads:
 
 
 def test_a_flood_of_never_seen_prompts_never_reaches_redis_past_the_bloom_filter(
-        tmp_path_factory: pytest.TempPathFactory, own_redis_server) -> None:  # noqa: ANN001
+        tmp_path_factory: pytest.TempPathFactory, own_redis_server) -> None:
     config = {**CONFIG, "redis_url": own_redis_server.url}
     with small_stack(tmp_path_factory, "cache-redis", pods=1, extra_config=config, workers=2) as info:
         text = "cache me in redis: a known question"

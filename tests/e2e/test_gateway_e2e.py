@@ -193,7 +193,7 @@ def test_errors(http: httpx.Client, method: str, path: str, body: bytes | None, 
 
 
 def test_oversize_chunked_body_is_413(http: httpx.Client) -> None:
-    def chunks():  # noqa: ANN202  # no content-length: the limit is enforced on the buffered body
+    def chunks():  # no content-length: the limit is enforced on the buffered body
         yield b'{"model": "llama-3-8b-instruct", "messages": [{"role": "user", "content": "'
         for _ in range(MAX_BODY // 1024 + 1):
             yield b"a" * 1024
@@ -205,7 +205,7 @@ def test_oversize_chunked_body_is_413(http: httpx.Client) -> None:
 
 
 def test_oversize_chunked_body_beyond_grpc_default_is_413(http: httpx.Client) -> None:
-    def chunks():  # noqa: ANN202  # 2 MiB: past the old gRPC limit of max_body_bytes + 1 MiB
+    def chunks():  # 2 MiB: past the old gRPC limit of max_body_bytes + 1 MiB
         for _ in range(2048):
             yield b"b" * 1024
 

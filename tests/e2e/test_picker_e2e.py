@@ -74,7 +74,7 @@ def _ask(base: str, qos: str, timeout: float, max_tokens: int = 1) -> httpx.Resp
         return None
 
 
-def _until(check, deadline_s: float = 20.0):  # noqa: ANN001, ANN202
+def _until(check, deadline_s: float = 20.0):
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         if (found := check()) is not None:

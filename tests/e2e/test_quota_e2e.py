@@ -72,7 +72,7 @@ def test_no_rate_headers_for_an_unlimited_tenant_and_client_copies_dropped(stack
     assert not [h for h in response.headers if h.startswith("x-ratelimit-")]
 
 
-def test_long_generation_keeps_its_slot_past_the_lease_ttl(tmp_path_factory) -> None:  # noqa: ANN001
+def test_long_generation_keeps_its_slot_past_the_lease_ttl(tmp_path_factory) -> None:
     from tests.e2e.conftest import small_stack
 
     extra = {"tenants": [{"name": "solo", "keys": [{"env": "RENEW_KEY"}], "limits": {"concurrency": 1}}],

@@ -55,7 +55,7 @@ async def _burst(base_url: str, count: int, concurrency: int) -> Counter[int]:
         return Counter(await asyncio.gather(*(one() for _ in range(count))))
 
 
-def test_500_requests_50_at_a_time_against_100_rpm_admit_exactly_100(redis_and_stack) -> None:  # noqa: ANN001
+def test_500_requests_50_at_a_time_against_100_rpm_admit_exactly_100(redis_and_stack) -> None:
     # 50 in flight at once, over 4 workers: all 500 at once queued past Envoy's 2 s ext_proc message
     # timeout beside a CPU hog (504 for 50 of them), and 100 at once past the quota store's timeout
     # (503 store_unavailable, fail_closed: 16 of them): overload, not what this test is about.
@@ -64,7 +64,7 @@ def test_500_requests_50_at_a_time_against_100_rpm_admit_exactly_100(redis_and_s
     assert statuses == {200: 100, 429: 400}
 
 
-def test_ledger_keeps_every_record_across_a_redis_restart(redis_and_stack) -> None:  # noqa: ANN001
+def test_ledger_keeps_every_record_across_a_redis_restart(redis_and_stack) -> None:
     redis, stack = redis_and_stack
     tag = uuid.uuid4().hex[:8]
     completed = 0

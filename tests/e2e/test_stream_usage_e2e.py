@@ -124,7 +124,7 @@ class ScriptedPod(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     seen: list[dict[str, Any]] = []
 
-    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+    def do_POST(self) -> None:  # http.server's name
         body = orjson.loads(self.rfile.read(int(self.headers["content-length"])))
         ScriptedPod.seen.append({"headers": {k.lower(): v for k, v in self.headers.items()}, "body": body})
         head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": MODEL}

@@ -74,7 +74,7 @@ def _statuses(base_url: str, key: str, count: int = 8, **headers: str) -> Counte
     return out
 
 
-def _until(predicate, timeout_s: float = 5.0) -> float:  # noqa: ANN001
+def _until(predicate, timeout_s: float = 5.0) -> float:
     """Seconds until ``predicate()`` held (the test fails past ``timeout_s``)."""
     started = time.monotonic()
     while not predicate():
@@ -83,7 +83,7 @@ def _until(predicate, timeout_s: float = 5.0) -> float:  # noqa: ANN001
     return time.monotonic() - started
 
 
-def test_a_key_added_in_redis_works_and_its_revocation_bites_within_seconds(redis_and_stack) -> None:  # noqa: ANN001
+def test_a_key_added_in_redis_works_and_its_revocation_bites_within_seconds(redis_and_stack) -> None:
     redis, stack = redis_and_stack
     key = f"sk-redis-{uuid.uuid4().hex}"
     assert _statuses(stack.base_url, key, 2) == {401: 2}
@@ -103,7 +103,7 @@ def test_a_key_added_in_redis_works_and_its_revocation_bites_within_seconds(redi
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
 
 
-def test_qos_class_from_the_header_with_its_own_limit(redis_and_stack) -> None:  # noqa: ANN001
+def test_qos_class_from_the_header_with_its_own_limit(redis_and_stack) -> None:
     redis, stack = redis_and_stack
     key = f"sk-qos-{uuid.uuid4().hex}"
     _llmgw_keys(redis, "add", "--tenant", "keyed", "--key", key)
@@ -130,7 +130,7 @@ def _ledger(redis: RedisServer, tenant: str) -> list[dict[str, object]]:
     return list(served.values())
 
 
-def test_spending_budget_refuses_with_402_once_spent(redis_and_stack) -> None:  # noqa: ANN001
+def test_spending_budget_refuses_with_402_once_spent(redis_and_stack) -> None:
     redis, stack = redis_and_stack
     client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=BUDGET_KEY, max_retries=0)
     admitted = 0
@@ -163,7 +163,7 @@ async def _burst(base_url: str, count: int, tag: str) -> Counter[int]:
         return Counter(await asyncio.gather(*(one(i) for i in range(count))))
 
 
-def test_tokens_per_minute_is_exact_within_one_request(redis_and_stack) -> None:  # noqa: ANN001
+def test_tokens_per_minute_is_exact_within_one_request(redis_and_stack) -> None:
     redis, stack = redis_and_stack
     tag = uuid.uuid4().hex[:8]
     admitted = 0
@@ -185,7 +185,7 @@ def test_tokens_per_minute_is_exact_within_one_request(redis_and_stack) -> None:
     assert TPM - largest <= used <= TPM + largest, (used, admitted)
 
 
-def test_no_lease_leaks_when_clients_hang_up_mid_stream(redis_and_stack) -> None:  # noqa: ANN001
+def test_no_lease_leaks_when_clients_hang_up_mid_stream(redis_and_stack) -> None:
     redis, stack = redis_and_stack
     client = Redis.from_url(redis.url)
     headers = {"authorization": f"Bearer {SOLO_KEY}"}
@@ -214,7 +214,7 @@ def _total(values: dict[str, float], prefix: str, *needles: str) -> float:
     return sum(v for k, v in values.items() if k.startswith(prefix) and all(n in k for n in needles))
 
 
-def test_metrics_sum_the_workers_and_show_a_redis_outage(redis_and_stack) -> None:  # noqa: ANN001
+def test_metrics_sum_the_workers_and_show_a_redis_outage(redis_and_stack) -> None:
     # Last in this module: it stops Redis (and starts it again).
     redis, stack = redis_and_stack
     before = _metrics(stack)

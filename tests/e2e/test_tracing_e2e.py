@@ -34,7 +34,7 @@ class Collector:
         collector = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            def do_POST(self) -> None:  # http.server's name
                 request = ExportTraceServiceRequest.FromString(self.rfile.read(int(self.headers["content-length"])))
                 collector.spans += [s for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans]
                 self.send_response(200)

@@ -11,8 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 
-from extproc.quota.limits import DAY_MS, Admission, Decision, Lease, LimitKind, Limits, Quota
-from extproc.quota.limits import month_of
+from extproc.quota.limits import DAY_MS, Admission, Decision, Lease, LimitKind, Limits, Quota, month_of
 from extproc.quota.redis_store import _PRELUDE, RedisStore
 from extproc.quota.store import QuotaStore
 from extproc.redis_server import RedisServer
