@@ -3,23 +3,25 @@ pool failing mid-run with and without a fallback chain, in one run.
 
 1. ``penetration``: three stacks, each with its own redis-server and a model that caches answers,
    differing only in ``response_cache``: ``guard_on`` (the Bloom filter, 1 MiB, k=3, and the hot-key
-   allow-list, as shipped), ``guard_off`` (every lookup reaches Redis: no filter, no allow-list) and ``guard_small`` (a filter of ``--small-bloom-bits``, so small
-   that false positives show, to check the measurement against the formula). Each round floods
-   every stack in turn (the order rotates) with ``--flood`` never-seen deterministic prompts
-   (temperature 0, ``max_tokens`` 1, ``--flood-concurrency`` clients). Redis commands per request
-   are ``INFO commandstats`` deltas, net of what each Redis serves idle (key-table polls, the
-   stream tail), measured before the rounds; a phase ends once every miss's answer is stored
-   (``XLEN llmgw:rc:added``). The false-positive rate is the share of lookups that passed the
-   filter and missed in Redis, from Redis (net GETs / requests) and from extproc's own counters
-   (``llmgw_cache_lookups_total``: ``miss`` / (``miss`` + ``filtered``)), next to the filter's
-   expected rate ``(1 - e^(-k n / m))^k`` for the ``n`` keys it held.
+   allow-list, as shipped), ``guard_off`` (every lookup reaches Redis: no filter, no allow-list) and
+   ``guard_small`` (a filter of ``--small-bloom-bits``, so small that false positives show, to check
+   the measurement against the formula). Each round floods every stack in turn (the order rotates)
+   with ``--flood`` never-seen deterministic prompts (temperature 0, ``max_tokens`` 1,
+   ``--flood-concurrency`` clients). Redis commands per request are ``INFO commandstats`` deltas,
+   net of what each Redis serves idle (key-table polls, the stream tail), measured before the
+   rounds; a phase ends once every miss's answer is stored (``XLEN llmgw:rc:added``). The
+   false-positive rate is the share of lookups that passed the filter and missed in Redis, from
+   Redis (net GETs / requests) and from extproc's own counters (``llmgw_cache_lookups_total``:
+   ``miss`` / (``miss`` + ``filtered``)), next to the filter's expected rate
+   ``(1 - e^(-k n / m))^k`` for the ``n`` keys it held.
 2. ``hit_latency``: on the ``guard_on`` stack, at concurrency 1, one warmed key asked ``--hits``
-   times (``hit``: after its third hit it is on the hot-key allow-list, answered without Redis),
-   the same on the ``guard_off`` stack (``hit_redis``: every hit a GET), never-seen prompts (``miss``: the filter answers, the pod answers, the answer
-   is stored) and the hit's bytes sent to a listener of the same Envoy that routes straight to the
-   pod (``envoy``: Envoy alone; decompressors and router, as ``bench.overhead`` builds it). Pods
-   answer instantly (``--time-scale 0``). The lanes take turns; the added p50 of a hit over Envoy
-   alone is p50(hit) - p50(envoy), and p50(hit_redis) - p50(envoy) for a hit that reaches Redis.
+   times (``hit``: after its third hit it is on the hot-key allow-list, answered without Redis), the
+   same on the ``guard_off`` stack (``hit_redis``: every hit a GET), never-seen prompts (``miss``:
+   the filter answers, the pod answers, the answer is stored) and the hit's bytes sent to a listener
+   of the same Envoy that routes straight to the pod (``envoy``: Envoy alone; decompressors and
+   router, as ``bench.overhead`` builds it). Pods answer instantly (``--time-scale 0``). The lanes
+   take turns; the added p50 of a hit over Envoy alone is p50(hit) - p50(envoy), and
+   p50(hit_redis) - p50(envoy) for a hit that reaches Redis.
 3. ``pool_failure``: per round two fresh stacks run at once, pools ``big`` and ``small`` (2 pods
    each, the simulator's default cost model), ``big-model`` with ``fallback: [small-model]``
    (``chain``) and without (``no_chain``); both get the same open-loop Poisson arrivals to
@@ -132,7 +134,7 @@ def direct_listener(config: dict[str, Any], pod_urls: dict[str, list[str]]) -> N
     that routes straight to the first pod, through the decompressors and the router only: Envoy
     alone, as ``bench.overhead``'s ``envoy`` lane."""
     resources = config["static_resources"]
-    gateway = next(l for l in resources["listeners"] if l["name"] == envoyconf.LISTENER)
+    gateway = next(ls for ls in resources["listeners"] if ls["name"] == envoyconf.LISTENER)
     direct = copy.deepcopy(gateway)
     direct["name"] = DIRECT_LISTENER
     direct["address"]["socket_address"]["port_value"] = 0
@@ -350,7 +352,8 @@ async def flood(session: aiohttp.ClientSession, lane: GuardLane, requests: int, 
         # Never-seen keys: every lookup that passed the filter is a false positive.
         "fp_rate_redis": round(net.get("cmdstat_get", 0.0) / requests, 4) if lane.guard else None,
         "fp_rate_extproc": round(passed / looked_up, 4) if lane.guard and looked_up else None,
-        "expected_fp_rate": expected_fp_rate(round(keys_mid), lane.bloom_bits, lane.bloom_hashes) if lane.guard else None,
+        "expected_fp_rate": (expected_fp_rate(round(keys_mid), lane.bloom_bits, lane.bloom_hashes)
+                             if lane.guard else None),
     }
 
 
@@ -469,7 +472,8 @@ def failure_summary(answers: list[Answer], fail_at: float) -> dict[str, Any]:
     return {
         "requests": len(answers),
         "success_rate": round(len(ok) / len(answers), 4) if answers else math.nan,
-        "success_rate_after_failure": round(sum(a.status == "200" for a in after) / len(after), 4) if after else math.nan,
+        "success_rate_after_failure": (round(sum(a.status == "200" for a in after) / len(after), 4)
+                                       if after else math.nan),
         "p50_ms": ms(latencies, 50), "p99_ms": ms(latencies, 99), "p99_ok_ms": ms(ok, 99),
         "statuses": dict(Counter(a.status for a in answers)),
         "errors": dict(Counter(f"{a.status} {a.error or '-'}" for a in answers if a.status != "200")),
@@ -621,8 +625,8 @@ def guard_lanes(args: argparse.Namespace, tmp: Path) -> Iterator[list[GuardLane]
         yield lanes
 
 
-async def cache_sections(lanes: list[GuardLane], args: argparse.Namespace, progress: Progress,
-                         task: Any) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[dict[str, Any]]], dict[str, Any]]:
+async def cache_sections(lanes: list[GuardLane], args: argparse.Namespace, progress: Progress, task: Any
+                         ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[dict[str, Any]]], dict[str, Any]]:
     """Sections 1 and 2, ``args.rounds`` rounds of each, lane order rotating."""
     floods: dict[str, list[dict[str, Any]]] = {lane.name: [] for lane in lanes}
     hits: dict[str, list[dict[str, Any]]] = {lane: [] for lane in HIT_LANES}
@@ -753,7 +757,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax = axes[0][1]
     guarded = [n for n in names if pen[n].get("expected_fp_rate") is not None]
     gx = list(range(len(guarded)))
-    ax.bar([x - 0.27 for x in gx], [pen[n]["fp_rate_redis"] * 100 for n in guarded], width=0.27, label="observed (Redis GETs)")
+    ax.bar([x - 0.27 for x in gx], [pen[n]["fp_rate_redis"] * 100 for n in guarded], width=0.27,
+           label="observed (Redis GETs)")
     ax.bar(gx, [(pen[n]["fp_rate_extproc"] or 0) * 100 for n in guarded], width=0.27, label="observed (extproc)")
     ax.bar([x + 0.27 for x in gx], [pen[n]["expected_fp_rate"] * 100 for n in guarded], width=0.27, label="expected")
     ax.set_xticks(gx, [f"{n}\nm={pen[n]['bloom_bits']} bits" for n in guarded], fontsize=8)
@@ -766,8 +771,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     hx = list(range(len(HIT_LANES)))
     ax.bar([x - 0.2 for x in hx], [hit[n]["p50_ms"] for n in HIT_LANES], width=0.4, label="p50")
     ax.bar([x + 0.2 for x in hx], [hit[n]["p99_ms"] for n in HIT_LANES], width=0.4, label="p99")
-    labels = {"envoy": "Envoy alone\n(instant pod)", "hit": "cache hit\n(hot key)", "hit_redis": "cache hit\n(Redis GET)",
-              "miss": "miss\n(gateway + pod)"}
+    labels = {"envoy": "Envoy alone\n(instant pod)", "hit": "cache hit\n(hot key)",
+              "hit_redis": "cache hit\n(Redis GET)", "miss": "miss\n(gateway + pod)"}
     ax.set_xticks(hx, [labels[n] for n in HIT_LANES])
     ax.set_ylabel("ms")
     ax.set_title(f"concurrency 1; hit adds {result['hit_latency']['hit_added_p50_ms_over_envoy']:.2f} ms p50 "
@@ -889,7 +894,8 @@ def main(argv: list[str] | None = None) -> None:
     with TemporaryDirectory(prefix="llmgw-bench-cache-") as tmp_name, Progress(transient=True) as progress:
         tmp = Path(tmp_name)
         if "cache" not in args.skip:
-            task = progress.add_task("cache stacks", total=args.rounds * (3 if args.small_bloom_bits else 2) + args.rounds)
+            stacks = 3 if args.small_bloom_bits else 2
+            task = progress.add_task("cache stacks", total=args.rounds * stacks + args.rounds)
             try:
                 result.update(run_cache(args, tmp, progress, task, checks))
             except (ChildFailed, redis.RedisError, aiohttp.ClientError, OSError) as error:
@@ -934,7 +940,8 @@ def penetration_summary(floods: dict[str, list[dict[str, Any]]], bits: dict[str,
     }
 
 
-def hit_summary(hits: dict[str, list[dict[str, Any]]], notes: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def hit_summary(hits: dict[str, list[dict[str, Any]]], notes: dict[str, Any], args: argparse.Namespace
+                ) -> dict[str, Any]:
     """Section 2's medians and the differences that matter."""
     lanes = {name: _median_of(found) for name, found in hits.items()}
     return {

@@ -21,10 +21,11 @@ each over every lane, rounds alternating the lanes' order:
 
 CPU per request is read from /proc per process group (Envoy; the extproc workers with their
 body-analysis helpers; LiteLLM with any child; each pod), net of each group's idle rate measured
-before the rounds (the median of seven 1 s windows); a gateway lane's figure includes its access-log settlement (the phase waits
-for Envoy's 1 s flush). "Gateway CPU" is what the lane adds in front of the pod: Envoy plus extproc
-for llmgw, Envoy for Envoy alone, LiteLLM for LiteLLM. Figures are medians over rounds, with the
-rounds' spread (min, max). Prints one JSON line; writes bench/results/compare.json and compare.png.
+before the rounds (the median of seven 1 s windows); a gateway lane's figure includes its access-log
+settlement (the phase waits for Envoy's 1 s flush). "Gateway CPU" is what the lane adds in front of
+the pod: Envoy plus extproc for llmgw, Envoy for Envoy alone, LiteLLM for LiteLLM. Figures are
+medians over rounds, with the rounds' spread (min, max). Prints one JSON line; writes
+bench/results/compare.json and compare.png.
 
     python -m bench.compare [--rounds 3] [--quick]
 """

@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
             ports[mode] = free_port()
             stack.enter_context(LocalStack(StackOptions(
                 config_path=config, run_dir=run_dir, port=ports[mode], workers=2, envoy_concurrency=2,
-                log_level="WARNING", sim_args=("--time-scale", "0", "--log-level", "ERROR"), env={f"BENCH_{n.upper()}_KEY": k for n, k in KEYS.items()})))
+                log_level="WARNING", sim_args=("--time-scale", "0", "--log-level", "ERROR"),
+                env={f"BENCH_{n.upper()}_KEY": k for n, k in KEYS.items()})))
         runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in ports}
         with Progress(transient=True) as progress:
             task = progress.add_task("fairness", total=args.rounds * len(ports))

@@ -31,7 +31,7 @@ _ANSWERS = {
 class NullProcessor(pb_grpc.ExternalProcessorServicer):
     """CONTINUE to every message; silence on observer streams."""
 
-    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],  # noqa: N802 (gRPC's name)
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
         async for message in request_iterator:
             if not message.observability_mode:
@@ -41,7 +41,8 @@ class NullProcessor(pb_grpc.ExternalProcessorServicer):
 class NullAccessLog(als_pb2_grpc.AccessLogServiceServicer):
     """Read every access-log entry Envoy streams and keep none (envoy.service.accesslog.v3)."""
 
-    async def StreamAccessLogs(self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage],
+    async def StreamAccessLogs(  # noqa: N802 (gRPC's name)
+        self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage],
                                context: grpc.aio.ServicerContext) -> als_pb2.StreamAccessLogsResponse:
         async for _message in request_iterator:
             pass

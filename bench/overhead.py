@@ -244,7 +244,7 @@ def bench_listeners(ports: Ports, tails: dict[str, float], observer: bool = True
     def patch(config: dict[str, Any], pod_urls: dict[str, list[str]]) -> None:
         resources = config["static_resources"]
         listeners, clusters = resources["listeners"], resources["clusters"]
-        gateway = next(l for l in listeners if l["name"] == envoyconf.LISTENER)
+        gateway = next(ls for ls in listeners if ls["name"] == envoyconf.LISTENER)
         if not observer:  # diagnosis: what the accounting observer costs
             hcm = gateway["filter_chains"][0]["filters"][0]["typed_config"]
             hcm["http_filters"] = [f for f in hcm["http_filters"] if not f["name"].endswith(".observer")]
@@ -329,7 +329,7 @@ def serve_otlp_sink() -> None:
             ExportTraceServiceRequest,
         )
     except ImportError:  # count bytes only
-        ExportTraceServiceRequest = None
+        ExportTraceServiceRequest = None  # noqa: N806 (the class, or None without it)
     counts = SinkCounts()
 
     async def traces(request: web.Request) -> web.Response:
@@ -471,7 +471,7 @@ class Bench:
             if self.profile_pid is not None:
                 case = next(c for c in self.cases if c.concurrency == 32 and c.stream == self.profile_stream)
                 progress.update(task, description=f"py-spy on a full worker, {case.name}")
-                self.profile = await self.profiled(next(l for l in self.lanes if l.name == "full"), case)
+                self.profile = await self.profiled(next(lane for lane in self.lanes if lane.name == "full"), case)
                 progress.advance(task)
 
     def _own_cpu_s(self) -> float:
@@ -512,10 +512,12 @@ class Bench:
         await asyncio.sleep(lane.tail_s)
         used = CpuMeter.used(before, self.meter.read())
         wall = time.perf_counter() - started
-        cpu = {name: (seconds - self.idle_rate.get(name, 0.0) * wall) * 1000 / requests for name, seconds in used.items()}
+        cpu = {name: (seconds - self.idle_rate.get(name, 0.0) * wall) * 1000 / requests
+               for name, seconds in used.items()}
         extproc = sum(v for name, v in cpu.items() if name.startswith(lane.own))
-        return {"served": requests - result.errors, "p50_ms": round(result.p(50), 3), "envoy_cpu_ms": round(cpu.get("envoy", 0.0), 4),
-                "extproc_cpu_ms": round(extproc, 4), "gateway_cpu_ms": round(cpu.get("envoy", 0.0) + extproc, 4)}
+        envoy = cpu.get("envoy", 0.0)
+        return {"served": requests - result.errors, "p50_ms": round(result.p(50), 3), "envoy_cpu_ms": round(envoy, 4),
+                "extproc_cpu_ms": round(extproc, 4), "gateway_cpu_ms": round(envoy + extproc, 4)}
 
     async def profiled(self, lane: Lane, case: Case) -> dict[str, Any]:
         """An extra, unmeasured run under py-spy (sampling every thread of one worker)."""
@@ -766,7 +768,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
 # Starting it all
 
 
-def _ready_address(group: ProcessGroup, name: str, argv: list[str], env: dict[str, str] | None = None) -> tuple[int, str]:
+def _ready_address(group: ProcessGroup, name: str, argv: list[str], env: dict[str, str] | None = None
+                   ) -> tuple[int, str]:
     child = group.spawn(name, argv, env=env)
     address = group.wait_ready_line(child, 60).split()[0].removeprefix("http://")
     return child.pid, address
@@ -797,7 +800,7 @@ def main() -> None:
     parser.add_argument("--envoy-concurrency", type=int, default=1)
     parser.add_argument("--tracing", action="store_true", help="add the full policy with tracing on (100%% sampled)")
     parser.add_argument("--profile", action="store_true",
-                        help="py-spy one full worker in an extra streamed c=32 run (bench/results/overhead-profile.json)")
+                        help="py-spy one full worker in an extra c=32 run (bench/results/overhead-profile.json)")
     parser.add_argument("--profile-case", choices=("stream", "plain"), default="stream",
                         help="the c=32 case --profile runs (default: streamed)")
     parser.add_argument("--quick", action="store_true", help="a short smoke run: 1 round, few requests")
@@ -927,9 +930,9 @@ def main() -> None:
     if bench.rejections:  # a key nobody has: answered 401 by extproc, at c=32
         rejected = {key: median([r[key] for r in bench.rejections]) for key in bench.rejections[0]}
         rejected["served"] = sum(r["served"] for r in bench.rejections)
-        goals["rejected_key_gateway_cpu_ms_c32"] = {"limit": TARGET_REJECTED_CPU_MS, "value": rejected["gateway_cpu_ms"],
-                                                    "met": rejected["gateway_cpu_ms"] <= TARGET_REJECTED_CPU_MS
-                                                    and rejected["served"] == 0}
+        goals["rejected_key_gateway_cpu_ms_c32"] = {
+            "limit": TARGET_REJECTED_CPU_MS, "value": rejected["gateway_cpu_ms"],
+            "met": rejected["gateway_cpu_ms"] <= TARGET_REJECTED_CPU_MS and rejected["served"] == 0}
     result: dict[str, Any] = {
         "bench": "overhead", "request_bytes": len(chat_body()), "rounds": args.rounds,
         "stream_tokens": STREAM_TOKENS, **{k: v for k, v in derived.items()},

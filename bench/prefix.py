@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> None:
         path.write_text(yaml.safe_dump(config(args.pods, weights)))
         options = StackOptions(config_path=path, run_dir=run_dir, port=0, workers=args.workers, envoy_concurrency=2,
                                log_level="WARNING", sim_args=(
-                                   "--kv-cache-tokens", str(args.kv_cache_tokens), "--max-model-len", str(min(8192, args.kv_cache_tokens)),
+                                   "--kv-cache-tokens", str(args.kv_cache_tokens),
+                                   "--max-model-len", str(min(8192, args.kv_cache_tokens)),
                                    "--log-level", "ERROR", "--seed", str(args.seed),
                                    "--record", str(args.sessions * args.turns)))
         with LocalStack(options) as info:

@@ -337,7 +337,8 @@ def main() -> None:
     result: dict[str, Any] = {
         "eval": {"prompts": len(prompts), "none": sum(p.label == NONE for p in prompts), "intents": len(intents),
                  "examples": sum(len(i.examples) for i in intents),
-                 "languages": dict(Counter(p.lang for p in prompts)), "styles": dict(Counter(p.style for p in prompts))},
+                 "languages": dict(Counter(p.lang for p in prompts)),
+                 "styles": dict(Counter(p.style for p in prompts))},
         "env": {key: os.environ.get(key) for key in ("GLIBC_TUNABLES", "OPENBLAS_NUM_THREADS")},
         "embedders": {},
     }

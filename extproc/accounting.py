@@ -286,7 +286,8 @@ class RequestRecord:
         return {
             "request_id": d.request_id, "llmgw.id": d.id, "llmgw.kind": self.kind, "llmgw.tenant": d.tenant,
             "llmgw.qos": d.qos, "gen_ai.operation.name": self.operation, "gen_ai.request.model": d.model,
-            "gen_ai.response.model": d.served_model, "llmgw.pool": d.pool, "server.address": self.upstream or d.endpoint,
+            "gen_ai.response.model": d.served_model, "llmgw.pool": d.pool,
+            "server.address": self.upstream or d.endpoint,
             "url.path": d.path, "http.response.status_code": self.status, "error.type": self.error,
             "llmgw.stream": d.stream, "llmgw.complete": self.complete, "llmgw.response_flags": self.flags,
             "gen_ai.usage.input_tokens": usage.input_tokens if usage else None,

@@ -112,7 +112,8 @@ def build_tracing(config: GatewayConfig) -> tuple[RequestTracer | None, Sampler 
 
 async def build_server(config: GatewayConfig, gateway: Gateway, store: QuotaStore, settlement: Settlement,
                  analyzer: BodyAnalyzer | None = None, classifier: IntentClassifier | None = None,
-                 cache: ResponseCache | None = None) -> tuple[grpc.aio.Server, ExternalProcessor, health_aio.HealthServicer]:
+                 cache: ResponseCache | None = None
+                 ) -> tuple[grpc.aio.Server, ExternalProcessor, health_aio.HealthServicer]:
     """A grpc.aio server carrying both services, the gRPC health service (every service SERVING
     until shutdown begins) and reflection; messages as large as Envoy may buffer."""
     # At least what Envoy may buffer (per_connection_buffer_limit_bytes in envoy.yaml), so that an
@@ -169,7 +170,7 @@ async def watch_config(path: Path, gateway: Gateway, interval: float = RELOAD_IN
 
     A file that no longer validates is refused with an error and the running snapshot is kept.
     """
-    seen = path.stat().st_mtime_ns
+    seen = path.stat().st_mtime_ns  # noqa: ASYNC240 (a stat of a local file, once a second)
     wake = wake or asyncio.Event()
     while True:
         try:
@@ -179,7 +180,7 @@ async def watch_config(path: Path, gateway: Gateway, interval: float = RELOAD_IN
         forced = wake.is_set()
         wake.clear()
         try:
-            mtime = path.stat().st_mtime_ns
+            mtime = path.stat().st_mtime_ns  # noqa: ASYNC240
             if mtime == seen and not forced:
                 continue
             seen = mtime

@@ -248,7 +248,8 @@ def cmd_usage(args: argparse.Namespace) -> int:
         records = ledger.read_file(path)
     rows = [
         {"tenant": tenant, "model": model, "requests": t.requests, "rejected": t.rejected, "unsettled": t.unsettled,
-         "input_tokens": t.input_tokens, "output_tokens": t.output_tokens, "cached_tokens": t.cached_tokens, "cost_usd": round(t.cost_usd, 6)}
+         "input_tokens": t.input_tokens, "output_tokens": t.output_tokens, "cached_tokens": t.cached_tokens,
+         "cost_usd": round(t.cost_usd, 6)}
         for (tenant, model), t in sorted(ledger.totals(records, tenant=args.tenant, since_ms=since).items())
     ]
     if args.format == "json":
@@ -325,7 +326,8 @@ def cmd_route(args: argparse.Namespace) -> int:
                           "yes" if condition["holds"] else "no", str(condition["request"]))
     Console().print(table)
     if (semantic := result["intents"]) is not None:
-        Console().print(f"intents ({semantic['embedder']}): nearest {semantic['nearest']!r} at {semantic['score']:.3f}, "
+        Console().print(f"intents ({semantic['embedder']}): nearest {semantic['nearest']!r} "
+                        f"at {semantic['score']:.3f}, "
                         f"runner-up {semantic['runner_up']:.3f}; threshold {semantic['threshold']:.2f}, "
                         f"margin {semantic['margin']:.2f} -> {semantic['intent']}")
     decision = result["decision"]

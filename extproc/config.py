@@ -598,7 +598,8 @@ class GatewaySpec(_Strict):
         if self.intents is not None:
             intents = self.intents
             if intents.model_name in seen:
-                raise ValueError(f"intents.model_name: {intents.model_name!r} is already used by {seen[intents.model_name]}")
+                raise ValueError(f"intents.model_name: {intents.model_name!r} is already used by "
+                                 f"{seen[intents.model_name]}")
             _no_duplicates("intents.routes", [r.name for r in intents.routes])
             targets = [("intents.default", intents.default.model, intents.default.pool)]
             targets += [(f"intents.routes[{i}]", r.model, r.pool) for i, r in enumerate(intents.routes)]

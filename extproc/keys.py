@@ -160,7 +160,8 @@ def parse_log_entry(entry_id: bytes | str, fields: Mapping[bytes, bytes]) -> Key
     if sequence != "0" or b"d" not in fields or b"t" not in fields:
         raise ValueError(f"not a key-table change: {raw_id}")
     tenant = fields[b"t"].decode()
-    return KeyChange(int(version), parse_digest_hex(fields[b"d"].decode()), check_tenant_name(tenant) if tenant else None)
+    return KeyChange(int(version), parse_digest_hex(fields[b"d"].decode()),
+                     check_tenant_name(tenant) if tenant else None)
 
 
 def apply_changes(snapshot: KeySnapshot, changes: Sequence[KeyChange]) -> KeySnapshot | None:

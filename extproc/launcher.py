@@ -516,7 +516,8 @@ class LocalStack:
                 rendered = envoyconf.render(
                     opts.envoy_yaml, listen_port=listen_port, listen_host=opts.listen_host, extproc_port=extproc_port,
                     admin_port=admin_port, pools=resolved["pools"], coordinator=coordinator,
-                    stream_idle_timeout_s=spec.envoy.stream_idle_timeout_s, access_log_flush_s=spec.quota.lease_ttl_s / 3)
+                    stream_idle_timeout_s=spec.envoy.stream_idle_timeout_s,
+                    access_log_flush_s=spec.quota.lease_ttl_s / 3)
             if opts.envoy_patch is not None:
                 opts.envoy_patch(rendered, pod_urls)
             envoyconf.write(rendered, envoy_path)

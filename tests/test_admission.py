@@ -66,7 +66,8 @@ async def test_settle_is_claimed_once(gateway: Gateway) -> None:
 def test_store_outage_with_fail_closed_is_503(gateway: Gateway) -> None:
     state, ask = _ask(gateway)
     reply = gateway.resume(state, ask, StoreUnavailable("down"))
-    assert isinstance(reply, Reply) and reply.status == 503 and orjson.loads(reply.body)["error"]["code"] == "service_unavailable"
+    assert isinstance(reply, Reply) and reply.status == 503
+    assert orjson.loads(reply.body)["error"]["code"] == "service_unavailable"
     assert dict(reply.headers)["retry-after"] == "1"
 
 
@@ -153,7 +154,8 @@ async def test_spending_budget_reserves_cost_and_refuses_with_402(priced: Gatewa
     expected = 1000 * inputs + 2000 * (state.reserved_tokens - inputs)
     assert admit.admission.reserve_cost == state.reserved_cost == expected
     spent = 0
-    while isinstance(decision := priced.resume(state, admit, await store.admit(admit.admission, admit.quota)), Continue):
+    while isinstance(decision := priced.resume(state, admit, await store.admit(admit.admission, admit.quota)),
+                     Continue):
         spent += state.reserved_cost
         state, admit = ask()
     assert spent <= 1_000_000 < spent + state.reserved_cost  # admitted until the next would pass $1

@@ -199,7 +199,8 @@ async def test_items_with_their_own_parameters_answer_as_http_would(make_pod: Po
         (STORY + " The end.", Params(max_tokens=1, seed=4)),
         ("Count to ten.", Params(max_tokens=25, seed=5, temperature=1.5, stop=[","])),
     ]
-    items = [Item(index=10 + i, text=prompt, params=params, request_id=f"r{i}") for i, (prompt, params) in enumerate(cases)]
+    items = [Item(index=10 + i, text=prompt, params=params, request_id=f"r{i}")
+             for i, (prompt, params) in enumerate(cases)]
     results = await run_batch(pod, items)
     assert sorted(results) == [10, 11, 12, 13, 14]  # every index, and only those
 
@@ -358,7 +359,8 @@ def _check_cli(proc: subprocess.Popen[str]) -> None:
         assert announced[0] == "BATCH-GRPC" and ready[0] == "READY", (announced, ready)
         with grpc.insecure_channel(announced[1]) as channel:
             stub = batch_pb2_grpc.BatchGenerationStub(channel)
-            request = batch_pb2.GenerateRequest(items=[Item(index=7, text="x", params=Params(max_tokens=4, ignore_eos=True))])
+            params = Params(max_tokens=4, ignore_eos=True)
+            request = batch_pb2.GenerateRequest(items=[Item(index=7, text="x", params=params)])
             deltas = [d for response in stub.Generate(request, timeout=30) for d in response.deltas]
         assert {d.index for d in deltas} == {7} and deltas[-1].usage.completion_tokens == 4
     finally:

@@ -32,7 +32,8 @@ COMPLETION_JSON = {
 }
 # What a pod streams for a tool call (OpenAI's chat streaming format): the id and name come in the
 # first delta, the arguments in pieces; a second call starts while the first is still open.
-WEATHER = {"id": "call_weather", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+WEATHER = {"id": "call_weather", "type": "function",
+           "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 TIME = {"id": "call_time", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "CET"}'}}
 
 

@@ -221,7 +221,8 @@ def test_python_services_run_the_real_commands_on_their_exposed_ports() -> None:
     for name in ("extproc", "coordinator"):
         mounted = {target: source for svc, source, target in bind_mounts() if svc == name}
         config = build_parser().parse_args(service(name)["command"][1:]).config
-        assert mounted.get(config) == COMPOSE / "llmgw.yaml", f"{name} reads {config}, which is not the mounted llmgw.yaml"
+        assert mounted.get(config) == COMPOSE / "llmgw.yaml", \
+            f"{name} reads {config}, which is not the mounted llmgw.yaml"
 
 
 def test_python_services_run_one_non_root_image_read_only() -> None:
@@ -366,7 +367,8 @@ def test_dashboards_are_provisioned_with_their_datasource() -> None:
 
 
 def test_dashboards_cover_the_gateway() -> None:
-    queried = {m for _, panel in dashboard_panels() for t in panel.get("targets", []) for m in promql_references(t["expr"])[0]}
+    queried = {m for _, panel in dashboard_panels() for t in panel.get("targets", [])
+               for m in promql_references(t["expr"])[0]}
     wanted = {"gen_ai_client_operation_duration_seconds_count", "gen_ai_client_operation_duration_seconds_bucket",
               "llmgw_time_to_first_token_seconds_bucket", "gen_ai_client_token_usage_sum", "llmgw_rejections_total",
               "llmgw_cache_lookups_total", "llmgw_circuit_breaker_state", "llmgw_batch_size_bucket",

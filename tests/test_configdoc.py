@@ -12,7 +12,8 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
 def test_the_checked_in_reference_is_current() -> None:
-    assert DOC.read_text() == reference(), "docs/configuration.md is stale: run `llmgw config-reference --write docs/configuration.md`"
+    assert DOC.read_text() == reference(), \
+        "docs/configuration.md is stale: run `llmgw config-reference --write docs/configuration.md`"
     assert main(["--check", str(DOC)]) == 0
 
 

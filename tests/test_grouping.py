@@ -83,7 +83,7 @@ async def test_the_coordinator_sends_close_requests_together_while_a_stranger_wa
     tasks = []
     for prompt in prompts[:2]:  # in this order: the haiku is older than the second support question
         tasks.append(asyncio.create_task(ask(client, prompt)))
-        await until(lambda n=len(tasks): sum(len(q) for q in coordinator.queues.values()) == n)
+        await until(lambda n=len(tasks): sum(len(q) for q in coordinator.queues.values()) == n)  # noqa: B008
     tasks.append(asyncio.create_task(ask(client, prompts[2])))
     await until(lambda: len(pod.calls) == 3)
     assert pod.calls[2] == [prompts[0], prompts[2]]

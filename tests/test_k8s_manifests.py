@@ -441,7 +441,8 @@ def test_envoyfilter_structure() -> None:
         for text in _strings(spec):
             named = re.findall(r"outbound\|(\d+)\|\|([a-z0-9-]+)\.([a-z0-9-]+)\.svc", text)
             named += re.findall(r"outbound_\.(\d+)_\._\.([a-z0-9-]+)\.([a-z0-9-]+)\.svc", text)
-            named += [("", n, ns) for n, ns in re.findall(r"^([a-z0-9-]+)\.([a-z0-9-]+)\.svc(?:\.cluster\.local)?$", text)]
+            short = re.findall(r"^([a-z0-9-]+)\.([a-z0-9-]+)\.svc(?:\.cluster\.local)?$", text)
+            named += [("", n, ns) for n, ns in short]
             for port, name, namespace in named:
                 if namespace != "llmgw":
                     continue

@@ -40,7 +40,8 @@ def _served(request_id: str = "r1", tenant: str = "team-a", prices: Prices = PRI
     decision = make_decision(id=uuid.uuid4().hex[:16], request_id=request_id, tenant=tenant, served_model="m",
                              started_ns=START)  # a fresh gateway id: one per request
     response = ResponseFacts(status=200, end_ns=START + 120 * MS, upstream="10.0.0.2:8000",
-                             first_byte_ns=START + 50 * MS, usage=Usage(input_tokens=10, output_tokens=5, cached_tokens=4))
+                             first_byte_ns=START + 50 * MS,
+                             usage=Usage(input_tokens=10, output_tokens=5, cached_tokens=4))
     return build_record(decision, response, prices)
 
 

@@ -117,7 +117,8 @@ BASE = {
     (lambda c: c["routes"][3].update(pool="gpu"), "routes[3].pool: no pool named 'gpu'"),
     (lambda c: c["routes"][1]["match"].update(colour="red"), "routes[1].match.colour: unknown field"),
     (lambda c: c["routes"][1].update(name="auto-code"), "routes[1].name: duplicate name 'auto-code'"),
-    (lambda c: c["routes"][1]["match"].update(modalities=["video"]), "routes[1].match.modalities[0]: Input should be 'image' or 'audio'"),
+    (lambda c: c["routes"][1]["match"].update(modalities=["video"]),
+     "routes[1].match.modalities[0]: Input should be 'image' or 'audio'"),
 ], ids=["unknown model", "alias", "unknown pool", "unknown condition", "duplicate", "unknown modality"])
 def test_route_config_errors_name_the_field(change, message: str) -> None:
     document = json.loads(json.dumps(BASE))

@@ -115,7 +115,8 @@ def test_a_large_body_is_analyzed_off_the_loop_then_classified() -> None:
     ({"intents": {**DOCUMENT["intents"], "default": {"model": "nope"}}}, "intents.default.model: 'nope'"),
     ({"intents": {**DOCUMENT["intents"], "routes": [{"name": "x", "model": "coder", "pool": "gpu",
                                                       "examples": ["a"]}]}}, "intents.routes[0].pool"),
-    ({"intents": {**DOCUMENT["intents"], "embedder": {"kind": "remote"}}}, "intents.embedder: a remote embedder needs url and model"),
+    ({"intents": {**DOCUMENT["intents"], "embedder": {"kind": "remote"}}},
+     "intents.embedder: a remote embedder needs url and model"),
     ({"intents": None}, "routes[0].intents: no `intents:` section"),
 ])
 def test_config_errors_name_the_field(change: dict, message: str) -> None:

@@ -210,7 +210,8 @@ def test_ids_are_per_span(exported: tuple[RequestTracer, InMemorySpanExporter]) 
                  id="4xx from the pod is the client's problem"),
 ])
 def test_error_status(exported: tuple[RequestTracer, InMemorySpanExporter],
-                      record: Callable[[Decision], RequestRecord], status: StatusCode, error_type: str | None, present: dict[str, object]) -> None:
+                      record: Callable[[Decision], RequestRecord], status: StatusCode, error_type: str | None,
+                      present: dict[str, object]) -> None:
     tracer, exporter = exported
     tracer.export(record(_decision()))
     span = _one_span(exporter)

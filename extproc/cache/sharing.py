@@ -60,7 +60,8 @@ class PromptSharing:
             pending = self._pending.pop(key, None)
             if pending is not None:
                 embedder, partition, prompt = pending
-                task = asyncio.get_running_loop().create_task(self.cache.share(encode(embedder, partition, prompt, key)))
+                shared = self.cache.share(encode(embedder, partition, prompt, key))
+                task = asyncio.get_running_loop().create_task(shared)
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 

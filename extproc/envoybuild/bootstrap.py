@@ -70,7 +70,8 @@ def bootstrap(spec: GatewaySpec, at: Addresses, tls: TlsFiles | None = None) -> 
                 address=clusters.address(at.listener),
                 per_connection_buffer_limit_bytes=buffer_limit_bytes(spec),
                 filter_chains=[listenerv3.FilterChain(
-                    filters=[listenerv3.Filter(name=names.CONNECTION_MANAGER, typed_config=typed(connection_manager(spec)))],
+                    filters=[listenerv3.Filter(name=names.CONNECTION_MANAGER,
+                                               typed_config=typed(connection_manager(spec)))],
                     transport_socket=downstream_tls(tls) if tls is not None else None)],
             )],
             clusters=[clusters.pods(pod_addresses(spec, at)), clusters.coordinator(at.coordinator),

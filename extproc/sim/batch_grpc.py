@@ -46,7 +46,7 @@ class BatchGenerationService(batch_pb2_grpc.BatchGenerationServicer):
     def __init__(self, pod: SimPod) -> None:
         self._pod = pod
 
-    async def Generate(self, request: batch_pb2.GenerateRequest,  # the proto's name
+    async def Generate(self, request: batch_pb2.GenerateRequest,  # noqa: N802 (the proto's name)
                        context: grpc.aio.ServicerContext) -> AsyncIterator[batch_pb2.GenerateResponse]:
         """Stream the deltas of every item of ``request`` as the engine produces them."""
         pod = self._pod

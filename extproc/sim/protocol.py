@@ -1,9 +1,9 @@
 """Parsing and validating OpenAI ``/v1/chat/completions`` and ``/v1/completions`` bodies.
 
 Pure: a JSON object in, a typed ``GenerationRequest`` (or ``EmbeddingRequest`` for
-``/v1/embeddings``) out, or ``InvalidRequest`` naming the parameter (vLLM answers those with 400 ``BadRequestError``). Unknown fields are ignored, as
-vLLM does. Parameters follow the OpenAI API reference plus vLLM's extra sampling parameters
-``ignore_eos`` and ``min_tokens``.
+``/v1/embeddings``) out, or ``InvalidRequest`` naming the parameter (vLLM answers those with 400
+``BadRequestError``). Unknown fields are ignored, as vLLM does. Parameters follow the OpenAI API
+reference plus vLLM's extra sampling parameters ``ignore_eos`` and ``min_tokens``.
 """
 
 from __future__ import annotations

@@ -88,8 +88,10 @@ class GatewayMetrics:
         self.cache = Counter("llmgw_cache_lookups", "Response cache lookups: hit, hot (of the hits, those the "
                              "hot-key allow-list answered without a round trip), miss (the store had no fresh "
                              "entry), filtered (the Bloom filter knew the key does not exist: no round trip), "
-                             "error (the store failed: a miss), warmed (a hot key fetched once for the requests waiting on it)", ("outcome",), registry=self.registry)
-        self.cache_stored = Counter("llmgw_cache_stored", "Answers stored in the response cache", registry=self.registry)
+                             "error (the store failed: a miss), warmed (a hot key fetched once for the requests "
+                             "waiting on it)", ("outcome",), registry=self.registry)
+        self.cache_stored = Counter("llmgw_cache_stored", "Answers stored in the response cache",
+                                    registry=self.registry)
         self._cache_seen: dict[str, int] = {}
         self.breaker_state = Gauge("llmgw_circuit_breaker_state", "Circuit breakers as this worker sees them: 0 "
                                    "closed, 1 half-open, 2 open", ("scope", "name"), registry=self.registry,

@@ -56,7 +56,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
     config_path.write_text(yaml.safe_dump(E2E_CONFIG))
     options = StackOptions(
         config_path=config_path, run_dir=run_dir, port=0, workers=2, envoy_concurrency=2,
-        sim_args=("--record", "200", "--seed", "1"), log_level="INFO", env={"E2E_TENANT_KEY": TENANT_KEY, "E2E_RPM_KEY": RPM_KEY, "E2E_SOLO_KEY": SOLO_KEY},
+        sim_args=("--record", "200", "--seed", "1"), log_level="INFO",
+        env={"E2E_TENANT_KEY": TENANT_KEY, "E2E_RPM_KEY": RPM_KEY, "E2E_SOLO_KEY": SOLO_KEY},
     )
     with LocalStack(options) as info:
         yield info

@@ -183,7 +183,8 @@ class Seen:
         return bool(self.body.get("stream"))
 
 
-def _ask_and_record(info: StackInfo, seen: Seen, started: threading.Event | None = None, api_key: str = FAULT_KEY) -> Seen:
+def _ask_and_record(info: StackInfo, seen: Seen, started: threading.Event | None = None,
+                    api_key: str = FAULT_KEY) -> Seen:
     """Send ``seen.body`` with the openai client and record the answer (a stream event by event);
     ``started`` is set at a stream's first event."""
     body = dict(seen.body)

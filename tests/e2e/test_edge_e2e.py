@@ -134,7 +134,7 @@ def pod_requests_with_id(stack: StackInfo, request_id: str) -> list[dict[str, An
 class _StubExtProc(ext_proc_grpc.ExternalProcessorServicer):
     """An ext_proc server that never answers, or fails the stream when the request asks it to."""
 
-    def Process(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+    def Process(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:  # noqa: N802
         first = next(request_iterator, None)
         if first is not None and any(h.key == FAIL_HEADER for h in first.request_headers.headers.headers):
             context.abort(grpc.StatusCode.UNAVAILABLE, "told to fail")

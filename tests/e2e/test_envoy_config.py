@@ -91,7 +91,8 @@ def test_checked_in_tls_bootstrap_validates_with_its_certificate_in_place(tmp_pa
     text = (ROOT / TARGETS["tls"].out / "envoy.yaml").read_text()
     assert TLS_EXAMPLE.certificate in text and TLS_EXAMPLE.private_key in text
     placed = tmp_path / "tls-envoy.yaml"
-    placed.write_text(text.replace(TLS_EXAMPLE.certificate, str(certificate)).replace(TLS_EXAMPLE.private_key, str(key)))
+    placed.write_text(text.replace(TLS_EXAMPLE.certificate, str(certificate))
+                      .replace(TLS_EXAMPLE.private_key, str(key)))
     _valid(placed, tmp_path)
 
 

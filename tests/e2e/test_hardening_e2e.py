@@ -163,7 +163,8 @@ def test_rejected_bodies_hold_no_memory(stack: tuple[StackInfo, LocalStack]) -> 
     body = orjson.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "x" * (1 << 20)}]})
     with httpx.Client(base_url=info.base_url, timeout=30) as client:
         for _ in range(20):  # warm: allocator arenas, the helper process
-            client.post("/v1/chat/completions", content=body, headers={**_auth(BIG_KEY), "content-type": "application/json"})
+            client.post("/v1/chat/completions", content=body,
+                        headers={**_auth(BIG_KEY), "content-type": "application/json"})
         before = {pid: _rss_kib(pid) for pid in workers}
         for _ in range(200):
             response = client.post("/v1/chat/completions", content=body,
@@ -330,7 +331,8 @@ def test_pool_timeouts_are_rendered_into_envoy(tmp_path_factory: pytest.TempPath
     assert routes["direct-slow"]["route"]["retry_policy"]["per_try_idle_timeout"] == "120s"  # the default
     pods = rendered["static_resources"]["clusters"]
     cluster = next(c for c in pods if c["name"] == "llm_pods")
-    addresses = [e["endpoint"]["address"]["socket_address"] for e in cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    endpoints = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    addresses = [e["endpoint"]["address"]["socket_address"] for e in endpoints]
     assert [(a["address"], a["port_value"]) for a in addresses] == [("10.0.0.1", 8000), ("10.0.0.2", 8000)]
     path = envoyconf.write(rendered, Path(tmp_path_factory.mktemp("render")) / "envoy.yaml")
     check = envoyconf.validate(path)

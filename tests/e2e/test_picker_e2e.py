@@ -163,7 +163,8 @@ def test_adapters_go_where_they_are_loaded_or_where_there_is_room(lora_pods: Sta
 
 @pytest.fixture(scope="module")
 def queued_pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
-    with small_stack(tmp_path_factory, "queued", pods=2, extra_config={"endpoint_picker": {"scrape": {"interval_s": 0.1}}},
+    with small_stack(tmp_path_factory, "queued", pods=2,
+                     extra_config={"endpoint_picker": {"scrape": {"interval_s": 0.1}}},
                      sim_args=("--max-num-seqs", "1", "--record", "100")) as info:
         yield info
 

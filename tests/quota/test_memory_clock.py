@@ -91,7 +91,7 @@ def test_workers_starting_together_all_open_the_quota_file(tmp_path: Path) -> No
         start = threading.Barrier(6)
         errors: list[Exception] = []
 
-        def open_store() -> None:
+        def open_store(start: threading.Barrier = start, path: Path = path, errors: list[Exception] = errors) -> None:
             start.wait()
             try:
                 MemoryStore(path)

@@ -289,7 +289,8 @@ return out
     assert reply == expected
 
 
-@pytest.mark.parametrize("lag", [61, 200], ids=["a bucket just left: purged by the cursor", "quiet for long: recounted"])
+@pytest.mark.parametrize("lag", [61, 200],
+                         ids=["a bucket just left: purged by the cursor", "quiet for long: recounted"])
 async def test_redis_window_forgets_buckets_that_left(redis_server: RedisServer, tenant: str, lag: int) -> None:
     # White box: the script keeps a running sum 'n' and a purge cursor 'p' beside the buckets.
     # Move this tenant's three requests back in time, as if they were admitted `lag` seconds ago.

@@ -234,7 +234,7 @@ async def test_continuous_finishes_mixed_workload_sooner(make_client: ClientFact
     for engine in ("continuous", "dynamic", "static"):
         client = await make_client(time_scale=1.0, cost=cost, engine=engine)
 
-        async def timed(body: object, delay: float) -> float:
+        async def timed(body: object, delay: float, client: TestClient = client) -> float:
             await asyncio.sleep(delay)
             start = time.monotonic()
             await (await post(client, "/v1/completions", body)).read()

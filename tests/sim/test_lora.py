@@ -126,7 +126,8 @@ async def wait_for_info(client: TestClient, running: str, waiting: str, timeout_
         info = await lora_info(client)
         if info and (info["running_lora_adapters"], info["waiting_lora_adapters"]) == (running, waiting):
             return info
-        assert time.monotonic() < deadline, f"lora_requests_info never showed running={running} waiting={waiting}: {info}"
+        assert time.monotonic() < deadline, \
+            f"lora_requests_info never showed running={running} waiting={waiting}: {info}"
         await asyncio.sleep(0.005)
 
 
