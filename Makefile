@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: up test unit e2e bench validate clean
+.PHONY: up test lint unit e2e bench validate clean
 
 # xds-protos ships an older copy of opentelemetry/proto/common/v1 (Envoy's API imports it); the
 # OTLP exporter needs opentelemetry-proto's own, so that package is installed again last.
@@ -34,8 +34,12 @@ $(VENV)/.dev: $(VENV)/.runtime
 up: $(VENV)/.runtime
 	$(VENV)/bin/llmgw up
 
-test: $(VENV)/.dev
+test: lint
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# ruff's rules and their reasons: [tool.ruff] in pyproject.toml
+lint: $(VENV)/.dev
+	$(PY) -m ruff check extproc bench tests
 
 unit: $(VENV)/.dev
 	$(PY) -m pytest -q -m "not e2e"
