@@ -37,9 +37,10 @@ up: $(VENV)/.runtime
 test: lint
 	$(PY) -m pytest -q -p no:cacheprovider
 
-# ruff's rules and their reasons: [tool.ruff] in pyproject.toml
+# ruff's rules and mypy's scope, with their reasons: [tool.ruff] and [tool.mypy] in pyproject.toml
 lint: $(VENV)/.dev
 	$(PY) -m ruff check extproc bench tests
+	$(PY) -m mypy
 
 unit: $(VENV)/.dev
 	$(PY) -m pytest -q -m "not e2e"

@@ -141,9 +141,9 @@ def analyze(operation: Operation, body: bytes, served_names: Mapping[str, str], 
     features, rule, pool, classify = NO_FEATURES, "", None, False
     if routing.rules:  # the prompt's features are read only when rules may use them
         features = extract(raw)
-        context = RouteContext(request.model, features, stream, request.output_limit, input_tokens,
-                               dict(routing.tenant_tags), routing.qos)
-        chosen = choose(routing.rules, context).rule
+        route_context = RouteContext(request.model, features, stream, request.output_limit, input_tokens,
+                                     dict(routing.tenant_tags), routing.qos)
+        chosen = choose(routing.rules, route_context).rule
         if chosen is not None:
             rule, pool, classify = chosen.name, chosen.pool, chosen.intents and routing.intents is not None
             if chosen.model != served:

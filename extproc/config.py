@@ -11,6 +11,7 @@ import hashlib
 import ipaddress
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -603,11 +604,11 @@ class GatewaySpec(_Strict):
             _no_duplicates("intents.routes", [r.name for r in intents.routes])
             targets = [("intents.default", intents.default.model, intents.default.pool)]
             targets += [(f"intents.routes[{i}]", r.model, r.pool) for i, r in enumerate(intents.routes)]
-            for where, model, pool in targets:
-                if model not in served:
-                    raise ValueError(f"{where}.model: {model!r} is not a model's name (aliases are not served)")
-                if pool is not None and pool not in pool_names:
-                    raise ValueError(f"{where}.pool: no pool named {pool!r}")
+            for where, target, target_pool in targets:
+                if target not in served:
+                    raise ValueError(f"{where}.model: {target!r} is not a model's name (aliases are not served)")
+                if target_pool is not None and target_pool not in pool_names:
+                    raise ValueError(f"{where}.pool: no pool named {target_pool!r}")
         return self
 
 
@@ -830,7 +831,7 @@ def _compile_rules(spec: GatewaySpec, models: dict[str, Model]) -> tuple[Rule, .
     def span(r: RangeSpec | None) -> Range | None:
         return None if r is None else Range(r.min, r.max)
 
-    def names(values: list[str] | None) -> tuple[str, ...] | None:
+    def names(values: Sequence[str] | None) -> tuple[str, ...] | None:
         return None if values is None else tuple(values)
 
     rules = []

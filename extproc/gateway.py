@@ -332,7 +332,7 @@ class Gateway:
                  f"fallback: try again in {wait} s.", type="server_error", code="pool_unavailable"),
             (("retry-after", str(wait)),))
 
-    def _admitted(self, state: RequestState, verdict: QuotaVerdict) -> Decision:
+    def _admitted(self, state: RequestState, verdict: QuotaVerdict) -> Step:
         """The quota store's verdict: route the request, or answer 429/402 naming the limit."""
         state.end("quota")
         if not verdict.admitted:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import builtins
 import logging
 import os
 import secrets
@@ -32,7 +33,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import NoReturn, TypeVar
+from typing import NoReturn, TypeVar, cast
 
 from redis import asyncio as aioredis
 from redis import exceptions as redis_errors
@@ -280,16 +281,17 @@ class RedisKeyTable:
         cursor = 0
         while True:
             cursor, batch = await self.client.hscan(self.table, cursor, count=SCAN_BATCH)
-            builder.add(batch.items())
+            builder.add(cast("dict[bytes, bytes]", batch).items())
             if cursor == 0:
                 break
         if builder.skipped:
             log.warning("API keys: %d malformed entries in %s ignored", builder.skipped, self.table)
         return builder.build()
 
-    async def changes_since(self, version: int) -> list[KeyChange]:
+    async def changes_since(self, version: int) -> builtins.list[KeyChange]:  # ``list``: a method here
         """The logged changes after ``version``, oldest first (at most ``log_length``)."""
-        entries = await self.client.xrange(self.log_key, min=f"{version + 1}-0", count=self.log_length)
+        entries = cast("builtins.list[tuple[bytes, dict[bytes, bytes]]]",
+                       await self.client.xrange(self.log_key, min=f"{version + 1}-0", count=self.log_length))
         return [parse_log_entry(entry_id, fields) for entry_id, fields in entries]
 
     async def refresh(self, current: KeySnapshot | None) -> KeySnapshot:

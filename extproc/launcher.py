@@ -629,7 +629,7 @@ def _listener_port(admin_url: str) -> int:
     return int(listener["local_address"]["socket_address"]["port_value"])
 
 
-def _with_endpoints(spec: GatewaySpec, pod_urls: dict[str, list[str]]) -> dict[str, object]:
+def _with_endpoints(spec: GatewaySpec, pod_urls: dict[str, list[str]]) -> dict[str, Any]:
     """The spec as YAML data, simulated pools given their pods' addresses."""
     document = spec.model_dump(mode="json", by_alias=True, exclude_defaults=False)
     for pool in document["pools"]:

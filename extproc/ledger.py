@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 import orjson
 from redis import asyncio as aioredis
@@ -190,7 +190,7 @@ def read_stream(url: str, stream: str = STREAM, since_ms: int = 0) -> Iterator[U
     client = redis.Redis.from_url(url)
     start = f"{since_ms}-0"
     while True:
-        entries = client.xrange(stream, min=start, count=1000)
+        entries = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(stream, min=start, count=1000))
         for _entry_id, fields in entries:
             yield UsageRecord.from_json(fields[b"r"])
         if len(entries) < 1000:

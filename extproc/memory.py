@@ -36,7 +36,7 @@ def resident_bytes() -> int:
 def _malloc_trim() -> Callable[[int], int] | None:
     name = ctypes.util.find_library("c")
     try:
-        return ctypes.CDLL(name).malloc_trim  # type: ignore[no-any-return]
+        return ctypes.CDLL(name).malloc_trim
     except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS)
         return None
 

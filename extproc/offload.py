@@ -138,9 +138,9 @@ class BodyAnalyzer:
         if size:
             self.seconds_per_byte += 0.2 * (seconds / size - self.seconds_per_byte)
         if len(result) == 2:
-            return result  # type: ignore[return-value]
-        status, message, kind, param, code = result  # type: ignore[misc]
-        return ApiError(status, message, type=kind, param=param, code=code)  # type: ignore[arg-type]
+            return result
+        status, message, kind, param, code = result
+        return ApiError(status, message, type=kind, param=param, code=code)
 
     def close(self) -> None:
         """Stop the helper process."""

@@ -467,7 +467,10 @@ def openai_tile_tokens(width: int, height: int, detail: str = "auto") -> int:
 class ByteSource(Protocol):
     """Random access to a payload's bytes (``size`` bytes long) without materialising it."""
 
-    size: int
+    @property
+    def size(self) -> int:
+        """Length of the payload in bytes."""
+        ...
 
     def read(self, offset: int, length: int) -> bytes:
         """Up to ``length`` bytes from ``offset`` (fewer at the end)."""
@@ -536,6 +539,7 @@ _MAX_SEGMENTS = 256
 def image_size(source: ByteSource) -> tuple[int, int] | None:
     """``(width, height)`` from a PNG, GIF, WebP or JPEG header; None if unrecognised."""
     head = source.read(0, 32)
+    size: tuple[int, int] | None
     if head.startswith(_PNG_SIGNATURE) and head[12:16] == b"IHDR" and len(head) >= 24:
         size = struct.unpack(">II", head[16:24])  # PNG spec 11.2.2: IHDR width, height
     elif head[:6] in (b"GIF87a", b"GIF89a") and len(head) >= 10:

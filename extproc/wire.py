@@ -56,7 +56,7 @@ def to_response(phase: Phase, decision: Decision) -> ProcessingResponse:
     response = ProcessingResponse()
     if isinstance(decision, Reply):
         reply = response.immediate_response
-        reply.status.code = decision.status  # type: ignore[assignment]
+        reply.status.code = decision.status
         _set_headers(reply.headers, decision.headers)
         reply.body = decision.body
         reply.details = REPLY_DETAILS

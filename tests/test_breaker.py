@@ -179,3 +179,17 @@ def test_under_load_batch_is_refused_first_the_default_class_falls_back_and_real
         headers = dict(decided.set_headers)
         assert headers["x-llmgw-pool"] == expected, qos
         assert ("x-envoy-upstream-rq-timeout-ms" in headers) == (qos == "realtime" and expected == "big")  # big's bound
+
+
+def test_a_semantic_cache_beside_routing_rules_gets_its_context_digest() -> None:
+    # analyze() once reused one name for the semantic cache's context digest and the rules' context:
+    # with any `routes:` configured, the digest became a RouteContext and every lookup a 500.
+    document = {**DOCUMENT, "models": [{**DOCUMENT["models"][0], "cache": {"semantic": {"embedder": "hashing"}}},
+                                       DOCUMENT["models"][1]],
+                "routes": [{"name": "long", "match": {"input_tokens": {"min": 10_000}}, "model": "small-model"}]}
+    gateway = Gateway(parse_config(document), Picker(random.Random(0)))
+    asked = _decide(gateway, {**ASK, "temperature": 0, "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a Bloom filter?"}]})
+    assert isinstance(asked, Lookup) and asked.semantic is not None
+    partition, text, _ = asked.semantic
+    assert len(partition) == 64 and text == "What is a Bloom filter?"

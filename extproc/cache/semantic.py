@@ -77,7 +77,7 @@ import itertools
 import re
 import threading
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -540,7 +540,7 @@ def _tokens(lower: str) -> list[tuple[str, int, int]]:
     return out
 
 
-def _lemma(table: MappingProxyType, word: str) -> object | None:
+def _lemma(table: Mapping[str, T], word: str) -> T | None:
     """``word``'s entry in ``table``, also under its singular ("tables" -> "table")."""
     found = table.get(word)
     if found is None and len(word) > 3 and word.endswith("s"):
@@ -1218,7 +1218,8 @@ class SemanticIndex:
                 above = above[np.argpartition(-scores[above], self.candidates - 1)[:self.candidates]]
             for row in above[np.argsort(-scores[above], kind="stable")]:
                 stored = part.facts[row]
-                if not self.guard or stored is None or disagreement(prepared.facts, stored) is None:
+                if (not self.guard or stored is None or prepared.facts is None
+                        or disagreement(prepared.facts, stored) is None):
                     return Match(part.keys[row], round(float(scores[row]), 4), part.texts[row])
             return None
 

@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 from extproc.cache.filters import BloomFilter, CuckooFilter
 
@@ -307,7 +307,7 @@ class RedisBackend:
 
     async def known(self) -> list[bytes]:
         """See ``CacheBackend.known``: the stream's position first, then a SCAN."""
-        newest = await self._slow.xrevrange(ADDED_STREAM, count=1)
+        newest = cast("list[tuple[bytes, dict[bytes, bytes]]]", await self._slow.xrevrange(ADDED_STREAM, count=1))
         self._last_id = newest[0][0] if newest else b"0-0"
         keys = []
         async for name in self._slow.scan_iter(match=ENTRY_PREFIX + b"*", count=1000):
@@ -322,7 +322,8 @@ class RedisBackend:
     async def _read(self, stream: bytes, after: bytes, field: bytes, block: bool) -> tuple[list[bytes], bytes]:
         """The ``field`` of up to 1000 entries of ``stream`` after ``after`` (waiting up to a second
         for one if ``block``), and the id of the last entry read (``after`` if none)."""
-        reply = await self._slow.xread({stream: after}, count=1000, block=1000 if block else None)
+        reply = cast("list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] | None",
+                     await self._slow.xread({stream: after}, count=1000, block=1000 if block else None))
         values = []
         for _, entries in reply or ():
             for entry_id, fields in entries:

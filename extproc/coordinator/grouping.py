@@ -44,8 +44,8 @@ def choose(prompts: Sequence[str], tokens: Sequence[int], size: int, budget: int
     if threshold is not None:
         matrix = vectors()
         similarity = matrix[1:] @ matrix[0]
-        for i in np.flatnonzero(similarity >= threshold) + 1:
-            close.setdefault(int(i), SEMANTIC)
+        for near in np.flatnonzero(similarity >= threshold) + 1:
+            close.setdefault(int(near), SEMANTIC)
     order = [0, *sorted(close), *(i for i in range(1, count) if i not in close)]
     chosen: list[int] = []
     left = budget

@@ -24,7 +24,7 @@ import logging
 import secrets
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -299,6 +299,7 @@ class Coordinator:
                     break
             if not queue or queue[0] is not first:
                 continue  # the oldest went away: the next one's window starts from its own arrival
+            assert reason is not None  # the wait above ends on a reason, or the loop starts over
             window.departed(reason)
             self.metrics.departures.labels(reason).inc()
             self.metrics.window.labels(key.model).set(wait)
@@ -592,7 +593,7 @@ def build_app(coordinator: Coordinator) -> web.Application:
 
     app.router.add_get("/metrics", metrics)
 
-    async def session(app: web.Application) -> object:
+    async def session(app: web.Application) -> AsyncIterator[None]:
         coordinator.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         yield
         await coordinator.session.close()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -64,7 +65,7 @@ def dump(document: object, header: str = "") -> str:
     return comment + yaml.dump(document, Dumper=_Dumper, sort_keys=False, width=120, allow_unicode=True)
 
 
-def dump_all(documents: list[object], header: str = "") -> str:
+def dump_all(documents: Sequence[object], header: str = "") -> str:
     """Several YAML documents in one text (``---`` between them), after ``header``."""
     comment = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines())
     return comment + yaml.dump_all(documents, Dumper=_Dumper, sort_keys=False, width=120, allow_unicode=True)

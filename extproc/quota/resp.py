@@ -25,6 +25,11 @@ from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection, 
 Packed = bytes
 
 
+
+def _pack(args: tuple[str | int | bytes, ...]) -> bytes:
+    """One command in RESP (hiredis's C packer; its stub types the arguments as a 1-tuple)."""
+    return hiredis.pack_command(args)  # type: ignore[arg-type]
+
 class RedisReplyError(Exception):
     """Redis answered one command with an error (``-ERR ...``, ``-NOSCRIPT ...``)."""
 
@@ -142,7 +147,7 @@ class PipelinedConnection:
         protocol = self._protocol
         if protocol is None or protocol.lost is not None:
             protocol = await self._connect()
-        future = protocol.send(hiredis.pack_command(args), later=later)
+        future = protocol.send(_pack(args), later=later)
         try:
             async with asyncio.timeout(self.timeout_s + (self.batch_s if later else 0.0)):
                 return await future
@@ -168,14 +173,14 @@ class PipelinedConnection:
                     context = ssl.create_default_context() if self._kind is SSLConnection else None
                     await loop.create_connection(lambda: protocol, params.get("host", "localhost"),
                                                  params.get("port", 6379), ssl=context)
-                handshake = []
+                handshake: list[tuple[str | int | bytes, ...]] = []
                 if params.get("password"):
                     user = params.get("username")
                     handshake.append(("AUTH", user, params["password"]) if user else ("AUTH", params["password"]))
                 if params.get("db"):
                     handshake.append(("SELECT", params["db"]))
                 for command in handshake:
-                    await protocol.send(hiredis.pack_command(command))
+                    await protocol.send(_pack(command))
         except TimeoutError:
             protocol.abort(TimeoutError("connect timed out"))
             raise TimeoutError(f"redis: no connection within {self.connect_timeout_s}s") from None

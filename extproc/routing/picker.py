@@ -39,14 +39,23 @@ HOME_SCORE = 0.25  # the prefix score of a new prefix's home pod (see _prefix)
 
 
 class PodView(Protocol):
-    """What the scorers read of a pod's scraped state (``extproc.routing.podstate.PodState``)."""
+    """What the scorers read of a pod's scraped state (``extproc.routing.podstate.PodState``, a
+    frozen dataclass: read-only, hence properties)."""
 
-    waiting: float
-    kv_usage: float
-    running_adapters: frozenset[str]
-    waiting_adapters: frozenset[str]
-    max_lora: int
-    models: frozenset[str]
+    @property
+    def running(self) -> float: ...
+    @property
+    def waiting(self) -> float: ...
+    @property
+    def kv_usage(self) -> float: ...
+    @property
+    def running_adapters(self) -> frozenset[str]: ...
+    @property
+    def waiting_adapters(self) -> frozenset[str]: ...
+    @property
+    def max_lora(self) -> int: ...
+    @property
+    def models(self) -> frozenset[str]: ...
 
 
 class PodStates(Protocol):

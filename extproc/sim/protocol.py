@@ -199,5 +199,5 @@ def parse_embedding(body: object) -> EmbeddingRequest:
         encoding = "float"
     if encoding not in ("float", "base64"):
         raise InvalidRequest("encoding_format must be 'float' or 'base64'", "encoding_format")
-    return EmbeddingRequest(model=model, inputs=inputs, encoding_format=encoding,
+    return EmbeddingRequest(model=model, inputs=inputs, encoding_format="base64" if encoding == "base64" else "float",
                             dimensions=_int(body, "dimensions", 1))

@@ -119,7 +119,7 @@ def _build_word_table(tokenizer: Tokenizer) -> WordTable:
     punctuation = [vocab[p] for p in _PUNCTUATION if p in vocab]
     if len(body) < 50 or not opening:
         raise ValueError("tokenizer has too few plain word tokens to simulate output")
-    pieces = {i: tokenizer.id_to_token(i) for i in body + opening + punctuation}
+    pieces = {i: tokenizer.id_to_token(i) or "" for i in body + opening + punctuation}  # ids of the vocabulary
     pools = []
     for bucket in range(_TEMPERATURE_BUCKETS + 1):
         words = body[:max(_MIN_POOL, len(body) * bucket // _TEMPERATURE_BUCKETS)]
