@@ -44,7 +44,6 @@ ENVOY_YAML = COMPOSE / "envoy.yaml"
 DASHBOARDS = COMPOSE / "grafana" / "dashboards"
 SERVICES = {"envoy", "extproc", "coordinator", "redis", "pod-a", "pod-b", "prometheus", "grafana",
             "otel-collector", "jaeger"}
-NO_ENVOY_YAML = "compose/envoy.yaml is not built yet (the typed Envoy config builder writes it)"
 
 
 # -- what the processes export (shared with tests/test_k8s_manifests.py) ----------------------
@@ -186,8 +185,6 @@ def test_every_service_of_the_stack_is_there() -> None:
 @pytest.mark.parametrize("mount", [pytest.param(m, id=f"{m[0]}:{m[2]}") for m in bind_mounts()])
 def test_every_mounted_file_exists(mount: tuple[str, Path, str]) -> None:
     _, source, _ = mount
-    if source == ENVOY_YAML and not source.exists():
-        pytest.skip(NO_ENVOY_YAML)
     assert source.exists(), f"{source} is mounted but missing"
     assert source.is_relative_to(COMPOSE), "mount files of compose/ only: the stack is self-contained"
 
@@ -307,8 +304,6 @@ def _socket_addresses(node: Any, path: str = "") -> Iterator[tuple[str, dict[str
 
 
 def test_envoy_config_agrees_with_the_stack() -> None:
-    if not ENVOY_YAML.exists():
-        pytest.skip(NO_ENVOY_YAML)
     bootstrap = yaml.safe_load(ENVOY_YAML.read_text())
     published = {published_port(p) for p in service("envoy").get("ports", [])}
     reached: set[str] = set()
@@ -325,8 +320,6 @@ def test_envoy_config_agrees_with_the_stack() -> None:
 
 
 def test_envoy_config_validates() -> None:
-    if not ENVOY_YAML.exists():
-        pytest.skip(NO_ENVOY_YAML)
     result = subprocess.run([envoyconf.envoy_binary(), "--mode", "validate", "-c", str(ENVOY_YAML),
                              "--use-dynamic-base-id"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -485,8 +478,6 @@ def _free_port() -> int:
 def test_the_envoy_health_check_passes_against_the_stacks_envoy(tmp_path: Path) -> None:
     """compose/envoy.yaml run by a real Envoy (its ports moved to free ones; the upstreams' names
     do not resolve here, which holds nothing up), probed with the compose health check."""
-    if not ENVOY_YAML.exists():
-        pytest.skip(NO_ENVOY_YAML)
     test = service("envoy")["healthcheck"]["test"]
     assert test[:3] == ["CMD", "bash", "-c"], test
     bootstrap = yaml.safe_load(ENVOY_YAML.read_text())

@@ -417,9 +417,7 @@ def _strings(node: Any) -> Iterator[str]:
 
 
 def test_envoyfilter_structure() -> None:
-    if not ENVOYFILTER.exists():
-        pytest.skip("envoy/istio/envoyfilter.yaml is not written yet (the typed Envoy config builder makes it)")
-    filters = load(ENVOYFILTER)
+    filters = load(ENVOYFILTER)  # checked in (llmgw envoy-config istio writes it): a missing file fails
     assert filters, "envoyfilter.yaml holds no object"
     services = {(s.name, s.namespace): {p["port"] for p in s.body["spec"]["ports"]} for s in of_kind("Service")}
     accounts = {pod_spec(d)["serviceAccountName"] for d in of_kind("Deployment")}
