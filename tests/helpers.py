@@ -1,14 +1,54 @@
-"""Shared builders for tests: configs, deterministic ids, ext_proc messages."""
+"""Shared builders for tests: configs, deterministic ids, ext_proc messages; and the one way a test
+waits: ``wait_for`` (a thread) or ``eventually`` (a coroutine) poll a condition until a deadline,
+never a fixed sleep."""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import itertools
-from collections.abc import Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TypeVar
 
+import pytest
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.config import GatewayConfig, parse_config
+
+T = TypeVar("T")
+
+
+def wait_for(what: str, check: Callable[[], T], timeout: float = 20.0, interval: float = 0.02) -> T:
+    """Poll ``check`` until it returns something truthy and return that; fail naming ``what`` past
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout:g} s")
+        time.sleep(interval)
+
+
+async def eventually(check: Callable[[], T | Awaitable[T]], timeout: float = 10.0, what: str = "the condition",
+                     interval: float = 0.005) -> float:
+    """Poll ``check`` (a function or a coroutine function) until it returns something truthy;
+    the seconds that took. Fails naming ``what`` past ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    while True:
+        value = check()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return loop.time() - started
+        if loop.time() - started > timeout:
+            pytest.fail(f"{what}: not within {timeout:g} s")
+        await asyncio.sleep(interval)
+
 
 CONFIG = {
     "server": {"max_body_bytes": 4096},

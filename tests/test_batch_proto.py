@@ -3,11 +3,9 @@ simulated pod serves it as its HTTP API would answer each item alone."""
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +25,7 @@ from extproc.sim.faults import FaultConfig
 from extproc.sim.generate import OutputPlan
 from extproc.sim.scheduler import SimSequence
 from extproc.sim.tokens import SimTokenizer
+from tests.helpers import eventually
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "llama-3-8b-instruct"
@@ -178,12 +177,6 @@ async def run_batch(pod: Pod, items: list[batch_pb2.BatchItem], model: str = "")
     return results
 
 
-async def wait_until(condition: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
-
 
 STORY = "Once upon a time in a land far away there lived a king who had three daughters and a dragon."
 
@@ -269,7 +262,7 @@ async def test_cancelling_the_call_aborts_its_sequences(make_pod: PodFactory) ->
         return (await pod.metric("vllm:num_requests_running") == 0
                 and await pod.metric("vllm:kv_cache_usage_perc") == 0)
 
-    await wait_until(freed)
+    await eventually(freed)
     text = await (await pod.http.get("/metrics")).text()
     aborted = [line for line in text.splitlines()
                if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line]

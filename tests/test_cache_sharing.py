@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +17,7 @@ from extproc.cache.sharing import PromptSharing, decode, encode
 from extproc.cache.store import CacheBackend, RedisBackend, ResponseCache, SqliteBackend
 from extproc.config import SemanticCacheSpec
 from extproc.redis_server import RedisServer
+from tests.helpers import eventually
 
 SPEC = SemanticCacheSpec(embedder="hashing", threshold=0.9)
 ANSWER = b'{"kind":"chat","model":"m","choices":[],"usage":{}}'
@@ -64,19 +65,6 @@ class Node:
         for process in self.processes:
             await process.cache.backend.close()
 
-
-async def eventually(condition: Callable[[], bool | Awaitable[bool]], within_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while True:
-        held = condition()
-        if not isinstance(held, bool):
-            held = await held
-        if held:
-            return
-        if loop.time() > deadline:
-            pytest.fail(f"not within {within_s} s")
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture(params=["redis", "sqlite"])

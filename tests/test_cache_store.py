@@ -16,6 +16,7 @@ import redis
 
 from extproc.cache.store import ENTRY_PREFIX, CacheBackend, HotKeys, RedisBackend, ResponseCache, SqliteBackend
 from extproc.redis_server import RedisServer
+from tests.helpers import eventually
 
 VALUE = b'{"kind":"chat","model":"m","choices":[],"usage":{}}'
 T0 = 1_700_000_000.0
@@ -73,15 +74,6 @@ class BrokenBackend(CountingBackend):
         raise self.error
 
 
-async def eventually(condition: Callable[[], bool], within_s: float) -> None:
-    """Wait until ``condition()`` holds; fails after ``within_s``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while not condition():
-        if loop.time() > deadline:
-            pytest.fail(f"not within {within_s} s")
-        await asyncio.sleep(0.01)
-
 
 class Processes:
     """The test's gateway processes: one ``ResponseCache`` each and its ``follow()`` task."""
@@ -137,7 +129,7 @@ async def test_sqlite_file_shares_answers_between_processes(tmp_path, processes:
     assert after not in b.bloom
 
     await a.store(after, b"answer-after", ttl_s=60, stale_ttl_s=600)
-    await eventually(lambda: after in b.bloom, within_s=2.0)  # B polls the table every POLL_S
+    await eventually(lambda: after in b.bloom, timeout=2.0)  # B polls the table every POLL_S
     assert await b.lookup(before) == b"answer-before"
     assert await b.lookup(after) == b"answer-after"
     assert (b.counters.hits, b.counters.misses, b.counters.filtered) == (2, 0, 0)
@@ -247,7 +239,7 @@ async def test_redis_process_started_later_finds_keys_stored_before_and_after(
     assert after not in b.bloom
 
     await a.store(after, b"answer-after", ttl_s=60, stale_ttl_s=600)
-    await eventually(lambda: after in b.bloom, within_s=2.0)  # announced on the stream, XREAD wakes at once
+    await eventually(lambda: after in b.bloom, timeout=2.0)  # announced on the stream, XREAD wakes at once
     assert await b.lookup(before) == b"answer-before"
     assert await b.lookup(after) == b"answer-after"
     assert (b.counters.hits, b.counters.misses, b.counters.filtered) == (2, 0, 0)
@@ -306,7 +298,7 @@ async def test_redis_close_releases_every_connection(own_redis_server: RedisServ
         assert connected() == baseline + 2
 
         await backend.close()
-        await eventually(lambda: connected() == baseline, within_s=0.5)
+        await eventually(lambda: connected() == baseline, timeout=0.5)
     finally:
         admin.close()
 
@@ -377,13 +369,13 @@ async def test_hot_key_stored_again_by_another_process_is_fetched_again(
     await processes.follow(b)
     key = os.urandom(32)
     await a.store(key, b"first", ttl_s=60, stale_ttl_s=600)
-    await eventually(lambda: key in b.bloom, within_s=2.0)
+    await eventually(lambda: key in b.bloom, timeout=2.0)
     for _ in range(5):
         assert await b.lookup(key) == b"first"
     assert key in b.hot_keys.kept
 
     await a.store(key, b"second", ttl_s=60, stale_ttl_s=600)  # e.g. after the first expired
-    await eventually(lambda: key not in b.hot_keys.kept, within_s=2.0)  # the announcement drops it
+    await eventually(lambda: key not in b.hot_keys.kept, timeout=2.0)  # the announcement drops it
     assert await b.lookup(key) == b"second"
 
 
@@ -407,7 +399,7 @@ async def test_following_stops_when_cancelled_even_if_the_backend_swallows_it() 
     cache = ResponseCache(backend)
     follower = asyncio.create_task(cache.follow())
     sharer = asyncio.create_task(cache.follow_shared(lambda records: asyncio.sleep(0)))
-    await eventually(cache.ready.is_set, within_s=2.0)
+    await eventually(cache.ready.is_set, timeout=2.0)
     await asyncio.sleep(0.01)
     follower.cancel()
     sharer.cancel()

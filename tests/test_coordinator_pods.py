@@ -12,6 +12,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from extproc.coordinator.server import Coordinator, build_app
+from tests.helpers import eventually
 
 
 class GatedPod:
@@ -50,12 +51,6 @@ class GatedPod:
         return response
 
 
-async def until(condition: object, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():  # type: ignore[operator]
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.005)
-
 
 async def _stack(serial: bool) -> tuple[GatedPod, Coordinator, TestClient, TestClient, str]:
     pod = GatedPod(serial)
@@ -85,18 +80,18 @@ def _ask(client: TestClient, endpoint: str, i: int) -> asyncio.Task[dict]:
 async def test_batches_wait_in_the_coordinator_while_a_one_call_at_a_time_pod_runs_ours() -> None:
     pod, coordinator, client, pod_client, endpoint = await _stack(serial=True)
     first = _ask(client, endpoint, 0)
-    await until(lambda: len(pod.started) == 1)
+    await eventually(lambda: len(pod.started) == 1)
     second = _ask(client, endpoint, 1)  # nothing learned yet: its window (0 ms) sends it to the pod's queue
-    await until(lambda: len(pod.calls) == 2)
+    await eventually(lambda: len(pod.calls) == 2)
     assert len(pod.started) == 1  # the pod runs one call at a time
     pod.gates[0].set()
-    await until(lambda: len(pod.started) == 2)  # it started only once the first had ended: learned
-    await until(lambda: coordinator.interleaves.get(endpoint) == 0.0)
+    await eventually(lambda: len(pod.started) == 2)  # it started only once the first had ended: learned
+    await eventually(lambda: coordinator.interleaves.get(endpoint) == 0.0)
     rest = [_ask(client, endpoint, i) for i in (2, 3, 4)]
-    await until(lambda: sum(len(q) for q in coordinator.queues.values()) == 3)
+    await eventually(lambda: sum(len(q) for q in coordinator.queues.values()) == 3)
     assert len(pod.calls) == 2  # held here while ours runs, although their window has closed
     pod.gates[1].set()
-    await until(lambda: len(pod.calls) == 3)
+    await eventually(lambda: len(pod.calls) == 3)
     assert pod.calls[2] == ["p2", "p3", "p4"]  # one call, the moment the pod was free
     pod.gates[2].set()
     answers = [await task for task in (first, second, *rest)]
@@ -109,11 +104,11 @@ async def test_batches_wait_in_the_coordinator_while_a_one_call_at_a_time_pod_ru
 async def test_a_pod_that_interleaves_calls_gets_each_batch_when_its_window_closes() -> None:
     pod, coordinator, client, pod_client, endpoint = await _stack(serial=False)
     first = _ask(client, endpoint, 0)
-    await until(lambda: len(pod.started) == 1)
+    await eventually(lambda: len(pod.started) == 1)
     second = _ask(client, endpoint, 1)
-    await until(lambda: coordinator.interleaves.get(endpoint) == 1.0)  # it started while the first still ran
+    await eventually(lambda: coordinator.interleaves.get(endpoint) == 1.0)  # it started while the first still ran
     third = _ask(client, endpoint, 2)
-    await until(lambda: len(pod.started) == 3)  # not held: the pod takes it at once
+    await eventually(lambda: len(pod.started) == 3)  # not held: the pod takes it at once
     for gate in pod.gates:
         gate.set()
     assert [(await task)["size"] for task in (first, second, third)] == ["1", "1", "1"]

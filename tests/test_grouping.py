@@ -13,7 +13,8 @@ from aiohttp.test_utils import TestClient
 from extproc.config import ConfigError, parse_config
 from extproc.coordinator.grouping import PREFIX, PREFIX_CHARS, SEMANTIC, choose
 from extproc.routing.embedders import HashingEmbedder
-from tests.test_coordinator_pods import _stack, until
+from tests.helpers import eventually
+from tests.test_coordinator_pods import _stack
 
 SYSTEM = "You are a support agent for ACME routers. " * 8  # > one prefix block
 
@@ -73,23 +74,23 @@ async def test_the_coordinator_sends_close_requests_together_while_a_stranger_wa
 
     # Learn that the pod runs one call at a time, so the next requests wait in the coordinator.
     warm = [asyncio.create_task(ask(client, "warm up")), None]
-    await until(lambda: len(pod.started) == 1)
+    await eventually(lambda: len(pod.started) == 1)
     warm[1] = asyncio.create_task(ask(client, "warm up two"))
-    await until(lambda: len(pod.calls) == 2)
+    await eventually(lambda: len(pod.calls) == 2)
     pod.gates[0].set()
-    await until(lambda: coordinator.interleaves.get(endpoint) == 0.0)
+    await eventually(lambda: coordinator.interleaves.get(endpoint) == 0.0)
     # 10 tokens each, 25 a call: the third fills the budget (full) and only two of three fit.
     prompts = [SYSTEM + "my router reboots", "write a haiku about rain", SYSTEM + "reset the password"]
     tasks = []
     for prompt in prompts[:2]:  # in this order: the haiku is older than the second support question
         tasks.append(asyncio.create_task(ask(client, prompt)))
-        await until(lambda n=len(tasks): sum(len(q) for q in coordinator.queues.values()) == n)  # noqa: B008
+        await eventually(lambda n=len(tasks): sum(len(q) for q in coordinator.queues.values()) == n)  # noqa: B008
     tasks.append(asyncio.create_task(ask(client, prompts[2])))
-    await until(lambda: len(pod.calls) == 3)
+    await eventually(lambda: len(pod.calls) == 3)
     assert pod.calls[2] == [prompts[0], prompts[2]]
     pod.gates[1].set()
     pod.gates[2].set()
-    await until(lambda: len(pod.calls) == 4)
+    await eventually(lambda: len(pod.calls) == 4)
     assert pod.calls[3] == [prompts[1]]  # its turn came with the next call
     pod.gates[3].set()
     ids = [await task for task in tasks]

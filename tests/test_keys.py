@@ -28,6 +28,7 @@ from extproc.keys import (
     parse_log_entry,
 )
 from extproc.redis_server import RedisServer
+from tests.helpers import eventually
 
 KEY_A, KEY_B, KEY_C = "sk-team-a-1", "sk-team-b-1", "sk-team-c-1"
 LLMGW = Path(sys.executable).parent / "llmgw"
@@ -67,16 +68,6 @@ async def start_watcher() -> AsyncIterator[Callable[..., Replica]]:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
 
-
-async def eventually(condition: Callable[[], bool], within_s: float) -> float:
-    """Seconds until ``condition()`` held; fails after ``within_s``."""
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    while not condition():
-        if loop.time() - started > within_s:
-            pytest.fail(f"not within {within_s} s")
-        await asyncio.sleep(0.02)
-    return loop.time() - started
 
 
 async def _until_done(call: Callable[[], Awaitable[object]], within_s: float) -> None:

@@ -34,6 +34,7 @@ from extproc.routing.podstate import (
 )
 from extproc.sim import SimOptions, build_app
 from extproc.sim.tokens import SimTokenizer
+from tests.helpers import eventually
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = "llama-3-8b-instruct"
@@ -46,13 +47,6 @@ def state(endpoint: str = "p:1", scraped_at: float = 100.0, **fields: object) ->
         **fields}
     return PodState(endpoint=endpoint, scraped_at=scraped_at, **values)  # type: ignore[arg-type]
 
-
-async def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 5.0) -> None:
-    """Poll ``condition`` until it holds; fail with ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        await asyncio.sleep(0.005)
 
 
 # -- parse_metrics ------------------------------------------------------------------------------
@@ -302,28 +296,28 @@ async def test_two_workers_share_one_scraper_and_the_other_takes_over(
     path = tmp_path / "pods.json"
     first, second = PodStates(stale_after_s=5 * INTERVAL), PodStates(stale_after_s=5 * INTERVAL)
     scraper = asyncio.create_task(gather_forever(lambda: endpoints, path, INTERVAL, first))
-    await wait_until(path.exists, "the first worker wrote a snapshot")
+    await eventually(path.exists, 20.0, "the first worker wrote a snapshot")
     other = asyncio.create_task(gather_forever(lambda: endpoints, path, INTERVAL, second))
     try:
-        await wait_until(lambda: all(second.get(ep) for ep in endpoints), "the second worker loaded it")
+        await eventually(lambda: all(second.get(ep) for ep in endpoints), 20.0, "the second worker loaded it")
         assert all(first.get(ep) for ep in endpoints)
         assert second.get(endpoints[0]).models == frozenset({BASE})
         for _, hits in pods:
-            await wait_until(lambda hits=hits: len(hits.times["/metrics"]) >= 8, "8 rounds")
+            await eventually(lambda hits=hits: len(hits.times["/metrics"]) >= 8, 20.0, "8 rounds")
             assert_one_scrape_per_interval(hits.times["/metrics"])  # not one per worker
             # /v1/models on the first round, then every MODELS_EVERY rounds
             rounds = len(hits.times["/metrics"])
             assert len(hits.times["/v1/models"]) in {1 + (rounds - 1) // MODELS_EVERY, 2 + (rounds - 1) // MODELS_EVERY}
 
-        await wait_until(lambda: between_rounds(path, pods), "a round written")
+        await eventually(lambda: between_rounds(path, pods), 20.0, "a round written")
         scraper.cancel()  # the scraper goes away: its lock with it
         await asyncio.gather(scraper, return_exceptions=True)
         gone = time.time()
-        await wait_until(lambda: all(second.get(ep).scraped_at > gone for ep in endpoints),
-                         "the second worker took over", timeout_s=3.0)
+        await eventually(lambda: all(second.get(ep).scraped_at > gone for ep in endpoints), 3.0,
+                         "the second worker took over")
         for _, hits in pods:
             count = len(hits.times["/metrics"])
-            await wait_until(lambda hits=hits, count=count: len(hits.times["/metrics"]) >= count + 3, "3 rounds")
+            await eventually(lambda hits=hits, count=count: len(hits.times["/metrics"]) >= count + 3, 20.0, "3 rounds")
             assert_one_scrape_per_interval(hits.times["/metrics"])  # the takeover kept the spacing too
     finally:
         for task in (scraper, other):
@@ -349,17 +343,17 @@ async def test_a_worker_takes_over_when_the_scraper_process_dies(
     states = PodStates(stale_after_s=5 * INTERVAL)
     task: asyncio.Task[None] | None = None
     try:
-        await wait_until(path.exists, "the worker process scrapes", timeout_s=30.0)
+        await eventually(path.exists, 30.0, "the worker process scrapes")
         task = asyncio.create_task(gather_forever(lambda: (endpoint,), path, INTERVAL, states))
-        await wait_until(lambda: states.get(endpoint) is not None, "this worker reads the process's snapshot")
+        await eventually(lambda: states.get(endpoint) is not None, 20.0, "this worker reads the process's snapshot")
         count = len(hits.times["/metrics"])
-        await wait_until(lambda: len(hits.times["/metrics"]) >= count + 3, "3 more rounds")
+        await eventually(lambda: len(hits.times["/metrics"]) >= count + 3, 20.0, "3 more rounds")
         assert_one_scrape_per_interval(hits.times["/metrics"])
-        await wait_until(lambda: between_rounds(path, [(endpoint, hits)]), "a round written")
+        await eventually(lambda: between_rounds(path, [(endpoint, hits)]), 20.0, "a round written")
         process.send_signal(signal.SIGKILL)  # no cleanup: the kernel drops its flock
         await process.wait()
         killed = time.time()
-        await wait_until(lambda: states.get(endpoint).scraped_at > killed, "this worker took over", timeout_s=3.0)
+        await eventually(lambda: states.get(endpoint).scraped_at > killed, 3.0, "this worker took over")
         assert_one_scrape_per_interval(hits.times["/metrics"])
     finally:
         if process.returncode is None:
@@ -408,17 +402,17 @@ async def test_a_pod_that_stops_answering_goes_stale_and_is_logged_once(
                                               timeout_s=INTERVAL / 2))
     hung, alive = pods[0], endpoints[1]
     try:
-        await wait_until(lambda: all(states.get(ep) for ep in endpoints), "both pods scraped")
+        await eventually(lambda: all(states.get(ep) for ep in endpoints), 20.0, "both pods scraped")
         hung.answering = False
         stopped = time.time()
         count = len(hung.hits.times["/metrics"])
-        await wait_until(lambda: states.get(endpoints[0]) is None, "the silent pod went stale")
-        await wait_until(lambda: len(hung.hits.times["/metrics"]) >= count + 3, "3 failed rounds")
+        await eventually(lambda: states.get(endpoints[0]) is None, 20.0, "the silent pod went stale")
+        await eventually(lambda: len(hung.hits.times["/metrics"]) >= count + 3, 20.0, "3 failed rounds")
         assert states.get(alive).scraped_at > stopped  # the other pod is unaffected
         failures = [r for r in caplog.records if r.levelno == logging.WARNING and endpoints[0] in r.getMessage()]
         assert len(failures) == 1, [r.getMessage() for r in failures]  # once, not every interval
         hung.answering = True
-        await wait_until(lambda: states.get(endpoints[0]) is not None, "the pod is back")
+        await eventually(lambda: states.get(endpoints[0]) is not None, 20.0, "the pod is back")
         assert any("answers again" in r.getMessage() for r in caplog.records)
     finally:
         task.cancel()
@@ -436,7 +430,7 @@ async def test_a_reader_loads_what_the_scraper_writes_and_takes_over_when_it_can
     task = asyncio.create_task(gather_forever(lambda: (endpoint,), path, INTERVAL, states))
     try:
         path.write_bytes(b"{ not a snapshot")
-        await wait_until(lambda: "malformed" in caplog.text, "the worker met the malformed snapshot")
+        await eventually(lambda: "malformed" in caplog.text, 20.0, "the worker met the malformed snapshot")
         assert not task.done()  # and lives on
         written = time.time()
         snapshot = {"version": 1, "round_started": written, "pods": [{
@@ -446,15 +440,14 @@ async def test_a_reader_loads_what_the_scraper_writes_and_takes_over_when_it_can
         temp = tmp_path / "next.json"
         temp.write_bytes(orjson.dumps(snapshot))
         os.replace(temp, path)
-        await wait_until(lambda: states.get(endpoint) is not None, "the worker loaded the snapshot")
+        await eventually(lambda: states.get(endpoint) is not None, 20.0, "the worker loaded the snapshot")
         assert states.get(endpoint) == state(endpoint, written, waiting=7.0, running=1.0, kv_usage=0.5,
                                              prefix_queries=10.0, prefix_hits=5.0, max_lora=2,
                                              running_adapters=frozenset({"sql"}), models=frozenset({BASE, "sql"}))
         assert pod.hits.times["/metrics"] == []  # a reader never scrapes
         os.close(lock)
         lock = -1
-        await wait_until(lambda: states.get(endpoint).waiting == 3.0, "the worker scrapes once the lock is free",
-                         timeout_s=3.0)
+        await eventually(lambda: states.get(endpoint).waiting == 3.0, 3.0, "the worker scrapes once the lock is free")
     finally:
         if lock >= 0:
             os.close(lock)

@@ -26,7 +26,7 @@ from extproc.coordinator.merge import parse
 from extproc.launcher import LocalStack, StackInfo
 from extproc.ledger import read_file
 from tests.e2e.conftest import MODEL, small_stack
-from tests.e2e.test_cli_up import wait_for
+from tests.helpers import wait_for
 
 BATCHED = {
     "pools": [{"name": "local", "simulate": 1, "batching": {"enabled": True, "max_wait_ms": {"default": 300}}}],

@@ -6,7 +6,7 @@ a 503 with retry-after."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from extproc.launcher import LocalStack, StackInfo, StackOptions
+from tests.helpers import wait_for
 
 CONFIG = {
     "pools": [{"name": "big", "simulate": 1},
@@ -46,12 +47,6 @@ def _ask(info: StackInfo, **extra: object) -> httpx.Response:
     return httpx.post(f"{info.base_url}/v1/chat/completions", json=body, timeout=30)
 
 
-def _until(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "not within the time allowed"
-        time.sleep(0.05)
-
 
 def _refused(response: httpx.Response) -> bool:
     return response.status_code == 503 and response.json()["error"]["code"] == "pool_unavailable"
@@ -62,10 +57,10 @@ def _served_by(response: httpx.Response) -> str:
 
 
 def test_a_failing_pool_falls_back_then_closes_again_when_it_recovers(chain: StackInfo) -> None:
-    _until(lambda: _served_by(_ask(chain)) == "big", timeout_s=40.0)  # closed (whatever ran before)
+    wait_for("the condition", lambda: _served_by(_ask(chain)) == "big", timeout=40.0)  # closed (whatever ran before)
     _faults(chain, "big", error_rate=1.0)
     # Its pods answer 500/503 until the breaker has seen enough of them; then the fallback serves.
-    _until(lambda: _served_by(_ask(chain)) == "small")
+    wait_for("the condition", lambda: _served_by(_ask(chain)) == "small")
     answer = _ask(chain)
     assert answer.status_code == 200 and answer.json()["model"] == "small-model"
     assert "fallback_from=big-model" in answer.headers["x-llmgw-decision"]
@@ -74,22 +69,23 @@ def test_a_failing_pool_falls_back_then_closes_again_when_it_recovers(chain: Sta
                                                    max_tokens=4, stream=True))
     assert streamed[-1].choices[0].finish_reason is not None  # a stream falls back before its first byte
     _faults(chain, "big")  # recovered: after open_s the breaker lets probes through, then closes
-    _until(lambda: _served_by(_ask(chain)) == "big", timeout_s=40.0)
+    wait_for("the condition", lambda: _served_by(_ask(chain)) == "big", timeout=40.0)
     assert all(_served_by(_ask(chain)) == "big" for _ in range(5))
 
 
 def test_with_every_pool_failing_a_stale_answer_or_a_503(chain: StackInfo) -> None:
     deterministic = {"temperature": 0, "messages": [{"role": "user", "content": "remember me"}]}
-    _until(lambda: _ask(chain, **deterministic).headers.get("x-llmgw-cache") == "hit")
+    wait_for("the condition", lambda: _ask(chain, **deterministic).headers.get("x-llmgw-cache") == "hit")
     _faults(chain, "big", error_rate=1.0)
     _faults(chain, "small", error_rate=1.0)
     try:
         # A request now and then is a half-open breaker's probe, and fails at the pod: ask again.
         refused: list[httpx.Response] = []
-        _until(lambda: _refused(refused.append(_ask(chain)) or refused[-1]))
+        wait_for("the condition", lambda: _refused(refused.append(_ask(chain)) or refused[-1]))
         assert int(refused[-1].headers["retry-after"]) >= 1
         stale: list[httpx.Response] = []
-        _until(lambda: stale.append(_ask(chain, **deterministic)) or stale[-1].headers.get("x-llmgw-cache") == "stale")
+        wait_for("a stale copy", lambda: stale.append(_ask(chain, **deterministic))
+                 or stale[-1].headers.get("x-llmgw-cache") == "stale")
         assert stale[-1].status_code == 200 and stale[-1].json()["choices"][0]["message"]["content"]
     finally:
         _faults(chain, "big")
@@ -102,7 +98,7 @@ def _recorded(url: str) -> int:
 
 def test_a_pod_that_asks_for_a_pause_with_retry_after_gets_no_traffic_meanwhile(chain: StackInfo) -> None:
     # Whatever ran before: the pool's breaker closed again (every answer a 200 for a while).
-    _until(lambda: all(_ask(chain, model="small-model").status_code == 200 for _ in range(5)))
+    wait_for("the condition", lambda: all(_ask(chain, model="small-model").status_code == 200 for _ in range(5)))
     tired = chain.pod_urls["small"][0]
     httpx.put(f"{tired}/debug/faults", json={"error_rate": 1.0, "error_status": 503, "retry_after_s": 60},
               timeout=5).raise_for_status()
@@ -110,7 +106,8 @@ def test_a_pod_that_asks_for_a_pause_with_retry_after_gets_no_traffic_meanwhile(
         # Its 503 goes on to the pool's other pod (the client still gets its answer); sooner or
         # later the picker sends one there.
         before = _recorded(tired)
-        _until(lambda: _ask(chain, model="small-model").status_code == 200 and _recorded(tired) > before)
+        wait_for("a request to the tired pod", lambda: _ask(chain, model="small-model").status_code == 200
+                 and _recorded(tired) > before)
         # That 503 is settled from the access log a moment after the client has its answer: a
         # request or two may still go there meanwhile; after that, none for the 60 s asked.
         for _ in range(5):
@@ -125,7 +122,7 @@ def test_a_pod_that_asks_for_a_pause_with_retry_after_gets_no_traffic_meanwhile(
 def test_a_pod_that_refuses_hands_the_request_to_the_fallback_model_before_the_first_byte(chain: StackInfo) -> None:
     # The breaker has not opened yet: Envoy itself takes the refusal (503) to the third host
     # extproc listed, a pod of small-model, whose model the upstream Lua filter writes into the body.
-    _until(lambda: all(_served_by(_ask(chain)) == "big" for _ in range(3)))
+    wait_for("the condition", lambda: all(_served_by(_ask(chain)) == "big" for _ in range(3)))
     _faults(chain, "big", error_rate=1.0, error_status=503)
     try:
         answer = _ask(chain)

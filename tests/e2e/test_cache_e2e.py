@@ -10,7 +10,7 @@ import itertools
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -20,6 +20,7 @@ import pytest
 
 from extproc.launcher import StackInfo
 from tests.e2e.conftest import MODEL, small_stack
+from tests.helpers import wait_for
 
 KEY_A, KEY_B = "sk-cache-tenant-a", "sk-cache-tenant-b"
 CONFIG = {
@@ -50,12 +51,6 @@ def _ask(info: StackInfo, key: str, text: str, **extra: object) -> tuple[dict[st
     parsed = raw.parse()
     return dict(raw.headers), (list(parsed) if extra.get("stream") else parsed)
 
-
-def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "not within the time allowed"
-        time.sleep(0.02)
 
 
 def _until_hit(info: StackInfo, key: str, text: str, **extra: object) -> tuple[dict[str, str], object]:
@@ -100,7 +95,7 @@ def test_a_key_hit_again_and_again_is_answered_from_the_hot_key_allow_list(cache
         headers, again = _ask(cached, KEY_A, text)
         assert headers["x-llmgw-cache"] == "hit"
         assert again.choices[0].message.content == first.choices[0].message.content  # type: ignore[attr-defined]
-    _until(lambda: _hot_hits(cached) > before)  # the counters reach the metrics once a second
+    wait_for("the condition", lambda: _hot_hits(cached) > before)  # the counters reach the metrics once a second
 
 
 def test_one_tenant_never_gets_anothers_answer(cached: StackInfo) -> None:
@@ -198,7 +193,7 @@ def test_a_flood_of_never_seen_prompts_never_reaches_redis_past_the_bloom_filter
                 flood = f"flood {i} {time.monotonic_ns()}"
                 assert _ask(info, KEY_A, flood, max_tokens=1)[0]["x-llmgw-cache"] == "miss"
             _ask(info, KEY_A, text)  # a known key does go to Redis: the monitor sees it
-            _until(lambda: len(reads.reads) >= 1)
+            wait_for("the condition", lambda: len(reads.reads) >= 1)
         finally:
             reads.close()
         # At 1 MiB and k = 3 with a handful of keys, a false positive is about one in 10^10.

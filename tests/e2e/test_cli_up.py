@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TypeVar
@@ -27,6 +27,8 @@ import httpx
 import openai
 import pytest
 import yaml
+
+from tests.helpers import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_S = 60  # generous: a CPU hog beside the suite makes a start take ~15 s instead of ~2 s
@@ -63,17 +65,6 @@ def cmdline(pid: int) -> list[str]:
     except OSError:
         return []
 
-
-def wait_for(what: str, check: Callable[[], T | None], timeout: float, interval: float = 0.05) -> T:
-    """Poll ``check`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout:.0f} s")
-        time.sleep(interval)
 
 
 @dataclass

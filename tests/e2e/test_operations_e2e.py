@@ -11,9 +11,7 @@ import ssl
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -26,6 +24,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from extproc.launcher import LocalStack, StackOptions
 from tests.e2e.conftest import MODEL
+from tests.helpers import wait_for
 
 OLD_KEY, NEW_KEY = "sk-ops-old", "sk-ops-new"
 EXT_PROC = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -37,12 +36,6 @@ def _config(*keys: str) -> dict[str, object]:
             "tenants": [{"name": f"t{i}", "keys": [{"sha256": hashlib.sha256(key.encode()).hexdigest()}],
                          "limits": {"rpm": 100_000}} for i, key in enumerate(keys)]}
 
-
-def _until(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "not within the time allowed"
-        time.sleep(0.05)
 
 
 def _stack(tmp_path: Path, config: dict[str, object], workers: int = 2) -> LocalStack:
@@ -89,7 +82,7 @@ def test_sighup_reloads_the_config_under_load_without_a_failed_request(tmp_path:
         for thread in threads:
             thread.start()
         try:
-            _until(lambda: outcomes["ok"] >= 20)
+            wait_for("the condition", lambda: outcomes["ok"] >= 20)
             path = info.config_path  # the workers' config: the stack's, its simulated pods' addresses filled in
             mtime = path.stat().st_mtime_ns
             resolved = yaml.safe_load(path.read_text())
@@ -109,9 +102,9 @@ def test_sighup_reloads_the_config_under_load_without_a_failed_request(tmp_path:
                     return False
 
             # Both workers: several answers in a row (Envoy spreads its streams over them).
-            _until(lambda: all(new_key_works() for _ in range(6)))
+            wait_for("the condition", lambda: all(new_key_works() for _ in range(6)))
             before = outcomes["ok"]
-            _until(lambda: outcomes["ok"] >= before + 20)  # and the load went on meanwhile
+            wait_for("the condition", lambda: outcomes["ok"] >= before + 20)  # and the load went on meanwhile
         finally:
             stop.set()
             for thread in threads:

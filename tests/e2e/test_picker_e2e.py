@@ -14,6 +14,7 @@ import pytest
 
 from extproc.launcher import StackInfo
 from tests.e2e.conftest import MODEL, BackgroundStream, small_stack
+from tests.helpers import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +75,6 @@ def _ask(base: str, qos: str, timeout: float, max_tokens: int = 1) -> httpx.Resp
         return None
 
 
-def _until(check, deadline_s: float = 20.0):
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if (found := check()) is not None:
-            return found
-    raise AssertionError("condition not met in time")
-
 
 def test_an_overloaded_pool_sheds_batch_first_and_stops_when_its_queue_drains(one_slot_pod: StackInfo) -> None:
     base = one_slot_pod.base_url
@@ -88,7 +82,8 @@ def test_an_overloaded_pool_sheds_batch_first_and_stops_when_its_queue_drains(on
     load = [threading.Thread(target=_ask, args=(base, "balanced", 60, 150)) for _ in range(4)]
     for thread in load:
         thread.start()
-    refused = _until(lambda: r if (r := _ask(base, "batch", 0.3)) is not None and r.status_code == 429 else None)
+    refused = wait_for("a batch request shed",
+                       lambda: r if (r := _ask(base, "batch", 0.3)) is not None and r.status_code == 429 else None)
     assert refused.json()["error"]["code"] == "pool_overloaded" and refused.headers["retry-after"] == "1"
     assert "batch requests are shed past 0.5" in refused.json()["error"]["message"]
     served = _ask(base, "realtime", 60)  # not refused: it queues behind the load and is served
@@ -96,7 +91,7 @@ def test_an_overloaded_pool_sheds_batch_first_and_stops_when_its_queue_drains(on
     for thread in load:
         thread.join(60)
     # The queue drained: batch is admitted again once the next scrape says so.
-    _until(lambda: r if (r := _ask(base, "batch", 5)) is not None and r.status_code == 200 else None)
+    wait_for("the condition", lambda: r if (r := _ask(base, "batch", 5)) is not None and r.status_code == 200 else None)
 
 
 def test_a_session_returns_to_the_pod_holding_its_prefix(single_worker_stack: StackInfo) -> None:
@@ -149,8 +144,9 @@ def test_adapters_go_where_they_are_loaded_or_where_there_is_room(lora_pods: Sta
     busy = threading.Thread(target=_adapter_request, args=(base, "sql-lora", f"sql-{tag}", 600))
     busy.start()
     try:
-        sql_pod = _until(lambda: next((p["endpoint"] for p in orjson.loads(snapshot.read_bytes())["pods"]
-                                       if "sql-lora" in p["running_adapters"]), None) if snapshot.exists() else None)
+        sql_pod = wait_for("a pod running sql-lora", lambda: next(
+            (p["endpoint"] for p in orjson.loads(snapshot.read_bytes())["pods"] if "sql-lora" in p["running_adapters"]),
+            None) if snapshot.exists() else None)
         for i in range(3):
             _adapter_request(base, "chat-lora", f"chat-{tag}-{i}", 1)  # would wait behind sql-lora there
             assert _endpoint_of(lora_pods, f"chat-{tag}-{i}") != sql_pod
@@ -184,7 +180,7 @@ def test_a_pod_with_a_queue_is_avoided_though_this_gateway_sent_it_nothing(queue
     for thread in direct:
         thread.start()
     try:
-        _until(lambda: True if snapshot.exists() and any(
+        wait_for("the condition", lambda: True if snapshot.exists() and any(
             p["endpoint"] == loaded and p["waiting"] >= 1 for p in orjson.loads(snapshot.read_bytes())["pods"])
             else None)
         with httpx.Client(base_url=base, timeout=30) as client:

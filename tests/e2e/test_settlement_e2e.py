@@ -21,7 +21,8 @@ import yaml
 from extproc.launcher import LocalStack, ProcessGroup, StackInfo, StackOptions, node_state_env
 from extproc.ledger import read_file, totals
 from tests.e2e.conftest import MODEL
-from tests.e2e.test_cli_up import STARTUP_S, wait_for
+from tests.e2e.test_cli_up import STARTUP_S
+from tests.helpers import wait_for
 
 KEY = "sk-settle-solo"
 CONFIG = {

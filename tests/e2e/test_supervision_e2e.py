@@ -23,7 +23,8 @@ import yaml
 
 from extproc.launcher import Backoff, Child, ChildExit, LocalStack, StackInfo, StackOptions
 from tests.e2e.conftest import MODEL
-from tests.e2e.test_cli_up import STARTUP_S, assert_no_orphans, children_of, cmdline, models_answered, serve, wait_for
+from tests.e2e.test_cli_up import STARTUP_S, assert_no_orphans, children_of, cmdline, models_answered, serve
+from tests.helpers import wait_for
 
 SOLO_KEY = "sk-supervision-solo"
 LEASE_TTL_S = 6.0

@@ -24,6 +24,7 @@ from redis import Redis
 from extproc.launcher import StackInfo
 from extproc.redis_server import RedisServer, redis_binary
 from tests.e2e.conftest import MODEL, BackgroundStream, small_stack
+from tests.helpers import wait_for
 
 BUDGET_KEY, TPM_KEY, SOLO_KEY = "sk-tenants-budget", "sk-tenants-tpm", "sk-tenants-solo"
 TPM = 3000
@@ -75,14 +76,6 @@ def _statuses(base_url: str, key: str, count: int = 8, **headers: str) -> Counte
     return out
 
 
-def _until(predicate, timeout_s: float = 5.0) -> float:
-    """Seconds until ``predicate()`` held (the test fails past ``timeout_s``)."""
-    started = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - started < timeout_s, "not within the time allowed"
-        time.sleep(0.1)
-    return time.monotonic() - started
-
 
 def test_a_key_added_in_redis_works_and_its_revocation_bites_within_seconds(redis_and_stack) -> None:
     redis, stack = redis_and_stack
@@ -92,13 +85,17 @@ def test_a_key_added_in_redis_works_and_its_revocation_bites_within_seconds(redi
     assert key not in added.stdout + added.stderr  # a key given by the caller is never printed
     # Keys are polled every second (keys.poll_s); a round of 8 probes takes a while on a loaded
     # machine (CI once took 3.2 s), so "within seconds" is checked with room to spare.
-    took = _until(lambda: _statuses(stack.base_url, key) == {200: 8}, timeout_s=10.0)
+    started = time.monotonic()
+    wait_for("the key works", lambda: _statuses(stack.base_url, key) == {200: 8}, 10.0)
+    took = time.monotonic() - started
     assert took < 6.0
     client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0)
     reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert reply.usage is not None and reply.usage.completion_tokens <= 3
     _llmgw_keys(redis, "revoke", "--key", key)
-    took = _until(lambda: _statuses(stack.base_url, key) == {401: 8}, timeout_s=10.0)
+    started = time.monotonic()
+    wait_for("the key is refused", lambda: _statuses(stack.base_url, key) == {401: 8}, 10.0)
+    took = time.monotonic() - started
     assert took < 6.0
     with pytest.raises(openai.AuthenticationError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
@@ -110,7 +107,7 @@ def test_qos_class_from_the_header_with_its_own_limit(redis_and_stack) -> None:
     _llmgw_keys(redis, "add", "--tenant", "keyed", "--key", key)
     # Every worker must know the key first (each polls Redis once a second), or a request could
     # meet one that does not yet and get 401.
-    _until(lambda: _statuses(stack.base_url, key) == {200: 8})
+    wait_for("the condition", lambda: _statuses(stack.base_url, key) == {200: 8})
     time.sleep(1.2)
     assert _statuses(stack.base_url, key, 3, **{"x-llmgw-qos": "batch"}) == {200: 2, 429: 1}  # batch: 2 rpm
     assert _statuses(stack.base_url, key, 3, **{"x-llmgw-qos": "interactive"}) == {200: 3}
@@ -145,7 +142,7 @@ def test_spending_budget_refuses_with_402_once_spent(redis_and_stack) -> None:
     assert isinstance(error, dict) and error["code"] == "insufficient_quota" and error["type"] == "insufficient_quota"
     assert "daily spending budget of $0.20" in error["message"]
     assert refused.value.response.headers.get("retry-after") is not None
-    _until(lambda: len(_ledger(redis, "budget")) >= admitted)
+    wait_for("the condition", lambda: len(_ledger(redis, "budget")) >= admitted)
     spent = sum(float(record["cost_usd"]) for record in _ledger(redis, "budget"))  # type: ignore[arg-type]
     one_request = (20 * PRICE["input"] + 40 * PRICE["output"]) / 1e6  # at most 20 tokens in, 40 out
     assert admitted >= 8
@@ -175,11 +172,12 @@ def test_tokens_per_minute_is_exact_within_one_request(redis_and_stack) -> None:
         if not statuses[200]:
             break
         # Each admitted request is settled to its real usage (its ledger record is written then).
-        _until(lambda admitted=admitted: len([r for r in _ledger(redis, "tpm")
+        wait_for("the condition", lambda admitted=admitted: len([r for r in _ledger(redis, "tpm")
                                               if str(r["request_id"]).startswith(tag)]) >= admitted)
     else:
         pytest.fail("the tokens-per-minute limit never refused")
-    _until(lambda: len([r for r in _ledger(redis, "tpm") if str(r["request_id"]).startswith(tag)]) >= admitted)
+    wait_for("every admitted request settled",
+             lambda: len([r for r in _ledger(redis, "tpm") if str(r["request_id"]).startswith(tag)]) >= admitted)
     records = [r for r in _ledger(redis, "tpm") if str(r["request_id"]).startswith(tag)]
     used = sum(int(r["input_tokens"]) + int(r["output_tokens"]) for r in records)  # type: ignore[call-overload]
     largest = max(int(r["input_tokens"]) + 60 for r in records)  # type: ignore[call-overload]
@@ -195,9 +193,10 @@ def test_no_lease_leaks_when_clients_hang_up_mid_stream(redis_and_stack) -> None
         assert _statuses(stack.base_url, SOLO_KEY, 1) == {429: 1}  # two generations hold both slots
         assert client.zcard("llmgw:quota:{solo}:t:ls") == 2
         first.hang_up()
-        _until(lambda: _statuses(stack.base_url, SOLO_KEY, 1) == {200: 1}, 3.0)  # its slot came back
+        wait_for("the condition", lambda: _statuses(stack.base_url, SOLO_KEY, 1) == {200: 1}, 3.0)  # its slot came back
     # Both clients gone: every lease and every open charge is released in Redis, none left to expire.
-    _until(lambda: client.zcard("llmgw:quota:{solo}:t:ls") == 0 and client.hlen("llmgw:quota:{solo}:open") == 0, 3.0)
+    wait_for("every lease released", lambda: client.zcard("llmgw:quota:{solo}:t:ls") == 0
+             and client.hlen("llmgw:quota:{solo}:open") == 0, 3.0)
     assert _statuses(stack.base_url, SOLO_KEY, 2) == {200: 2}
 
 
@@ -244,7 +243,7 @@ def test_metrics_sum_the_workers_and_show_a_redis_outage(redis_and_stack) -> Non
         _statuses(stack.base_url, TPM_KEY, 2)
         return _metrics(stack)["llmgw_quota_store_degraded"] == 0
 
-    _until(recovered, 10.0)
+    wait_for("the condition", recovered, 10.0)
     time.sleep(1.2)  # the ledgers flush; the workers copy their counters once a second
     after = _metrics(stack)
     assert _total(after, "llmgw_ledger_buffered_records") == 0

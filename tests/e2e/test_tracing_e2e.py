@@ -18,8 +18,9 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from extproc.launcher import StackInfo
 from extproc.ledger import read_file
 from tests.e2e.conftest import MODEL, small_stack
-from tests.e2e.test_cli_up import STARTUP_S, wait_for
+from tests.e2e.test_cli_up import STARTUP_S
 from tests.e2e.test_gateway_e2e import pod_request_with_id
+from tests.helpers import wait_for
 
 KEY = "sk-trace-tenant"
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
