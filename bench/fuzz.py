@@ -446,7 +446,7 @@ def _m_model(rng: random.Random, endpoint: str, body: dict[str, Any]) -> bytes:
 def _m_roles(rng: random.Random, endpoint: str, body: dict[str, Any]) -> bytes:
     if endpoint != "/v1/chat/completions":
         return _m_wrong_type(rng, endpoint, body)
-    odd = rng.choice((
+    odd: dict[str, Any] = rng.choice((
         {"role": "robot", "content": "x"}, {"role": "user"}, {"role": "user", "content": None},
         {"role": "assistant"}, {"role": "tool", "content": "x"}, {"role": "function", "content": "x"},
         {"role": "user", "content": [{"type": "video", "url": "x"}]}, {"role": "user", "content": [{}]},

@@ -136,7 +136,7 @@ class LongBench:
         self.idle_rate: dict[str, float] = {}
         self.samples: dict[tuple[str, str], list[Sample]] = {}
         self.bursts: list[dict[str, float]] = []
-        self.refusals: dict[str, float] = {}
+        self.refusals: dict[str, Any] = {}
 
     def raw(self, port: int, case: Case, key: str | None = None) -> bytes:
         headers = {"authorization": f"Bearer {key or self.key}"}
@@ -180,7 +180,8 @@ class LongBench:
 
         async def probe_for(stop: asyncio.Event | None, count: int) -> list[float]:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            connection, times = _Connection(reader, writer), []
+            connection = _Connection(reader, writer)
+            times: list[float] = []
             while (stop is None and len(times) < count) or (stop is not None and not stop.is_set()):
                 started = time.perf_counter()
                 status = await connection.request(raw)
@@ -203,7 +204,7 @@ class LongBench:
                 "probe_during_p99_ms": round(sorted(during)[max(0, int(len(during) * 0.99) - 1)], 2),
                 "probe_requests_during": len(during)}
 
-    async def refused(self, pids: list[int], requests: int) -> dict[str, float]:
+    async def refused(self, pids: list[int], requests: int) -> dict[str, Any]:
         """``requests`` bodies of 1 MiB refused with a 400, 20 at a time: the extproc processes'
         resident memory before, and 3 s after (the heap is trimmed within a second or so). Each on a
         connection of its own: Envoy closes the connection after a local reply to a body it refused."""
@@ -281,7 +282,8 @@ def summarize(bench: LongBench, cases: list[Case]) -> dict[str, Any]:
                 "ok": sum(r.ok for r in runs), "errors": sum(r.errors for r in runs),
                 "failures": {k: sum(r.failures.get(k, 0) for r in runs) for r in runs for k in r.failures},
                 "rps": median([r.rps for r in runs]), "p50_ms": median([r.p50_ms for r in runs]),
-                "ttft_p50_ms": median([r.ttft_p50_ms for r in runs]) if runs[0].ttft_p50_ms is not None else None,
+                "ttft_p50_ms": median([r.ttft_p50_ms for r in runs if r.ttft_p50_ms is not None])
+                if runs[0].ttft_p50_ms is not None else None,
                 "cpu_ms": {"envoy": cpu.get("envoy", 0.0), "pod": cpu.get("pod", 0.0),
                            **({"extproc": extproc} if lane == "full" else {}),
                            **({"null": cpu.get("null", 0.0)} if lane == "null" else {})},

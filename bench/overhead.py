@@ -324,22 +324,23 @@ def serve_otlp_sink() -> None:
     import uvloop
     from aiohttp import web
 
+    parse: Callable[[bytes], Any] | None = None  # count bytes only without the OTLP protos
     try:
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-            ExportTraceServiceRequest,
-        )
-    except ImportError:  # count bytes only
-        ExportTraceServiceRequest = None  # noqa: N806 (the class, or None without it)
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        parse = ExportTraceServiceRequest.FromString
+    except ImportError:
+        pass
     counts = SinkCounts()
 
     async def traces(request: web.Request) -> web.Response:
         body = await request.read()
         counts.requests += 1
         counts.bytes += len(body)
-        if ExportTraceServiceRequest is not None:
+        if parse is not None:
             if request.headers.get("content-encoding") == "gzip":
                 body = gzip.decompress(body)
-            export = ExportTraceServiceRequest.FromString(body)
+            export = parse(body)
             counts.spans += sum(len(s.spans) for r in export.resource_spans for s in r.scope_spans)
         return web.Response(body=b"", content_type="application/x-protobuf")  # an empty ExportTraceServiceResponse
 
