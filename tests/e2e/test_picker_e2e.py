@@ -4,7 +4,6 @@ extproc process, so every request is counted by the same picker."""
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -19,7 +18,7 @@ from tests.helpers import wait_for
 
 @pytest.fixture(scope="module")
 def single_worker_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]:
-    with small_stack(tmp_path_factory, "picker", pods=2, sim_args=("--record", "100")) as info:
+    with small_stack(tmp_path_factory, "picker", pods=2, sim_args=("--record", "100"), metrics_port=0) as info:
         yield info
 
 
@@ -32,9 +31,19 @@ def _endpoint_of(stack: StackInfo, request_id: str) -> str:
     raise AssertionError(f"no pod saw {request_id}")
 
 
+def _settled(stack: StackInfo) -> float:
+    """Requests the gateway has settled (their access-log entries came back): the count of the
+    GenAI duration histogram, summed over its labels."""
+    assert stack.metrics_url is not None
+    text = httpx.get(stack.metrics_url, timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("gen_ai_client_operation_duration_seconds_count"))
+
+
 def test_requests_avoid_the_pod_with_a_stream_in_flight_and_release_it(single_worker_stack: StackInfo) -> None:
     base = single_worker_stack.base_url
     tag = uuid.uuid4().hex[:8]
+    baseline = _settled(single_worker_stack)
     for round_ in range(3):  # later rounds would tie (and pick at random) if a hung-up stream leaked its count
         long_id = f"long-{tag}-{round_}"
         # ~25 s of decoding; leaving the block hangs up, and the gateway must release the pod's count.
@@ -46,7 +55,10 @@ def test_requests_avoid_the_pod_with_a_stream_in_flight_and_release_it(single_wo
                                        headers={"x-request-id": short_id})
                 assert response.status_code == 200
                 assert _endpoint_of(single_worker_stack, short_id) != busy  # the idle pod has fewer in flight
-        time.sleep(0.2)  # the ext_proc stream closes when Envoy sees the client go
+        # The hung-up stream's pick is released once its access-log entry is settled: the next
+        # round starts after that (7 requests a round), or it would find the two pods tied.
+        settled = baseline + 7 * (round_ + 1)
+        wait_for("the round's requests settled", lambda settled=settled: _settled(single_worker_stack) >= settled)
 
 
 SHED_KEY = "sk-e2e-shed"
