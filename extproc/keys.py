@@ -344,6 +344,11 @@ class RedisKeyTable:
                               "it is back", max_stale_s)
                     current = None
                     on_change(KeySnapshot.empty())
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # Cancelled inside redis-py, which can turn the cancellation into a TimeoutError
+                # (caught above) or swallow it: stop as asked instead of polling on.
+                raise asyncio.CancelledError
             await asyncio.sleep(interval_s)
 
 
