@@ -126,6 +126,16 @@ class CpuMeter:
                 for name, pids in after.items()}
 
 
+async def idle_rates(meter: CpuMeter, seconds: float) -> dict[str, float]:
+    """CPU seconds per second each of ``meter``'s names spends over ``seconds`` of doing nothing
+    asked of it (health probes, scrapes, stats flushes): what a phase takes off its own figures."""
+    before, started = meter.read(), time.perf_counter()
+    await asyncio.sleep(seconds)
+    used = CpuMeter.used(before, meter.read())
+    wall = time.perf_counter() - started
+    return {name: cpu / wall for name, cpu in used.items()}
+
+
 def machine_busy_seconds() -> float:
     """CPU time every core of the machine spent busy so far (user, nice, system, irq, softirq and
     steal of /proc/stat), in seconds."""

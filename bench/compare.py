@@ -58,6 +58,7 @@ from bench.common import (
     build_request,
     calibration_ms,
     emit,
+    idle_rates,
     median,
     run_load,
     run_stream_load,
@@ -182,11 +183,8 @@ class Compare:
         work (LiteLLM's, a scrape) does not inflate what every later phase has taken off."""
         rates: dict[str, list[float]] = {}
         for _ in range(windows):
-            before, started = self.meter.read(), time.perf_counter()
-            await asyncio.sleep(seconds)
-            wall = time.perf_counter() - started
-            for g, s in self._groups(CpuMeter.used(before, self.meter.read())).items():
-                rates.setdefault(g, []).append(s / wall)
+            for g, rate in self._groups(await idle_rates(self.meter, seconds)).items():
+                rates.setdefault(g, []).append(rate)
         self.idle_rate = {g: statistics.median(r) for g, r in rates.items()}
 
     async def measure(self, lane: str, case: Case) -> Sample:

@@ -54,6 +54,7 @@ from bench.common import (
     build_request,
     calibration_ms,
     emit,
+    idle_rates,
     median,
     process_tree,
     resident_mb,
@@ -151,11 +152,7 @@ class LongBench:
         return await run_load("127.0.0.1", port, raw, concurrency=case.concurrency, requests=case.requests)
 
     async def idle(self, seconds: float) -> None:
-        before, started = self.meter.read(), time.perf_counter()
-        await asyncio.sleep(seconds)
-        used = CpuMeter.used(before, self.meter.read())
-        wall = time.perf_counter() - started
-        self.idle_rate = {name: cpu / wall for name, cpu in used.items()}
+        self.idle_rate = await idle_rates(self.meter, seconds)
 
     async def measure(self, lane: str, case: Case) -> Sample:
         before, started = self.meter.read(), time.perf_counter()

@@ -59,6 +59,7 @@ from bench.common import (
     build_request,
     calibration_ms,
     emit,
+    idle_rates,
     machine_busy_seconds,
     median,
     run_load,
@@ -482,11 +483,7 @@ class Bench:
 
     async def idle(self, seconds: float) -> None:
         """What each process spends doing nothing asked of it (health probes, stats flushes), per second."""
-        before, started = self.meter.read(), time.perf_counter()
-        await asyncio.sleep(seconds)
-        used = CpuMeter.used(before, self.meter.read())
-        wall = time.perf_counter() - started
-        self.idle_rate = {name: cpu / wall for name, cpu in used.items()}
+        self.idle_rate = await idle_rates(self.meter, seconds)
 
     async def measure(self, lane: Lane, case: Case) -> Sample:
         """One lane through one case, with the CPU every process spent meanwhile, net of its idle rate.
