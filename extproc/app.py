@@ -207,7 +207,7 @@ async def housekeeping(gateway: Gateway, settlement: Settlement, metrics: Gatewa
                      cache.counters if cache is not None else None)
         trim()
         if time.monotonic() - last_sweep >= HOUSEKEEPING_S:
-            settlement.unsettled(gateway.router.forget_stale())
+            settlement.unsettled(gateway.feedback.forget_stale())
             last_sweep = time.monotonic()
         await asyncio.sleep(1.0)
 
@@ -244,7 +244,7 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     if metrics_port is not None and not os.environ.get(MULTIPROC_ENV):
         serve_metrics(metrics_port, host, registry=metrics.registry)
     cache = build_cache(config)
-    settlement = Settlement(gateway, store, ledger, metrics, tracer, cache)
+    settlement = Settlement(gateway.feedback, lambda: gateway.config, store, ledger, metrics, tracer, cache)
     analyzer, classifier = BodyAnalyzer(), IntentClassifier()
     await configure_intents(classifier, config)  # before serving: "auto" is routed from the first request
     server, processor, health = await build_server(config, gateway, store, settlement, analyzer, classifier, cache)
@@ -258,7 +258,7 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     ready(bound)
     # The helper process for large bodies starts (~1 s of imports) while small ones are served.
     warming = asyncio.create_task(analyzer.start())
-    prober = asyncio.create_task(probe_forever(lambda: gateway.config, gateway.health))
+    prober = asyncio.create_task(probe_forever(lambda: gateway.config, gateway.router.health))
     gatherer = asyncio.create_task(gather_pod_states(gateway, states)) if scrape.enabled else None
     reload_now = asyncio.Event()  # SIGHUP: reload the config file now
     watcher = asyncio.create_task(watch_config(config_path, gateway, classifier=classifier, wake=reload_now)

@@ -39,6 +39,10 @@ class BodyLimits:
     max_values: int = 2_000_000  # JSON values in all (a 128k-token prompt of token ids is 128k)
 
 
+RULE_MODEL = "model"  # no rule matched: the model the client named, in its own pool
+RULE_INTENTS = "intents"  # no rule matched: semantic routing (the client named ``intents.model_name``)
+
+
 @dataclass(frozen=True, slots=True)
 class BodyFacts:
     """What the request path needs of a valid body once it is analyzed."""
@@ -66,6 +70,20 @@ class BodyFacts:
     # For the semantic cache: the last user turn, and the digest of everything else that defines the answer
     semantic_text: str = ""
     context_digest: bytes | None = None
+
+    @property
+    def chosen_by(self) -> str:
+        """What chose the served model and pool: the rule's name, else semantic routing or the
+        client's model."""
+        return self.rule or (RULE_INTENTS if self.intent else RULE_MODEL)
+
+
+@dataclass(frozen=True, slots=True)
+class Analysis:
+    """What ``analyze`` returns: the body's facts, and the body to forward when it must change."""
+
+    facts: BodyFacts
+    body: bytes | None  # None: forward the body as received
 
 
 # Fields that do not change a generation's answer: who asks, how it is delivered, what is stored.
@@ -101,6 +119,16 @@ def context_digest(path: str, raw: Mapping[str, object]) -> tuple[str, bytes | N
 
 
 @dataclass(frozen=True, slots=True)
+class IntentRoute:
+    """Semantic routing's settings as the body analysis needs them (``intents:`` in the config)."""
+
+    model_name: str  # the model name a client sends to ask for it ("auto")
+    default_model: str  # the route of a prompt no intent matches
+    default_pool: str
+    max_chars: int  # characters of the prompt classified
+
+
+@dataclass(frozen=True, slots=True)
 class Routing:
     """What routing needs besides the body: the rules, who asks, and the prefix blocks the picker
     scores (picklable, for the helper)."""
@@ -109,8 +137,7 @@ class Routing:
     tenant_tags: tuple[tuple[str, str], ...] = ()
     qos: str = ""
     prefix_blocks: tuple[int, int] = (0, 0)  # (block_chars, max_blocks) to hash; (0, 0): none
-    # Semantic routing: (the model name that asks for it, the default model, its pool, characters classified)
-    intents: tuple[str, str, str, int] | None = None
+    intents: IntentRoute | None = None  # semantic routing, when configured
 
 
 NO_RULES = Routing()
@@ -119,7 +146,7 @@ NO_FEATURES = PromptFeatures()
 
 def analyze(operation: Operation, body: bytes, served_names: Mapping[str, str], limits: BodyLimits,
             estimators: Mapping[str, TokenEstimator] | None = None, routing: Routing = NO_RULES
-            ) -> tuple[BodyFacts, bytes | None]:
+            ) -> Analysis:
     """Parse, bound, validate and estimate ``body``: its facts, and the body to forward when it
     changed (else None: forward it as is). Raises ``ApiError`` (400) for a bad one.
 
@@ -149,8 +176,8 @@ def analyze(operation: Operation, body: bytes, served_names: Mapping[str, str], 
             if chosen.model != served:
                 served = chosen.model
                 input_tokens = (counters.get(served) or _FALLBACK).estimate(parsed).total
-    if not rule and routing.intents is not None and request.model == routing.intents[0]:
-        served, pool, classify = routing.intents[1], routing.intents[2], True
+    if not rule and routing.intents is not None and request.model == routing.intents.model_name:
+        served, pool, classify = routing.intents.default_model, routing.intents.default_pool, True
         input_tokens = (counters.get(served) or _FALLBACK).estimate(parsed).total
     block_chars, max_blocks = routing.prefix_blocks
     prefix = prefix_hashes(raw, block_chars, max_blocks) if block_chars and not isinstance(
@@ -160,7 +187,7 @@ def analyze(operation: Operation, body: bytes, served_names: Mapping[str, str], 
     text = None
     if classify:  # the model is chosen later: forward the body without it (see with_model)
         assert routing.intents is not None
-        text = intent_text(raw, routing.intents[3])
+        text = intent_text(raw, routing.intents.max_chars)
         del raw["model"]
         changed = True
     elif served is not None and served != request.model:  # an alias: pods know the served name
@@ -177,7 +204,7 @@ def analyze(operation: Operation, body: bytes, served_names: Mapping[str, str], 
         semantic_text=semantic_text, context_digest=context,
     )
     # Depth is bounded (max_depth < orjson's 254 levels), so dumps cannot raise here.
-    return facts, (orjson.dumps(raw) if changed else None)
+    return Analysis(facts, orjson.dumps(raw) if changed else None)
 
 
 _FALLBACK = FallbackEstimator()

@@ -26,9 +26,9 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from extproc.api import ApiError, Operation
-from extproc.body import BodyFacts, BodyLimits, Routing, analyze
-from extproc.decisions import Analyze
+from extproc.body import Analysis, BodyLimits, Routing, analyze
 from extproc.memory import HeapTrim
+from extproc.steps import Analyze
 from extproc.tokens import BpeEstimator, TokenEstimator
 
 log = logging.getLogger("llmgw.offload")
@@ -40,7 +40,7 @@ INITIAL_SECONDS_PER_BYTE = 5e-9
 HELPER_NICENESS = 10
 _PR_SET_PDEATHSIG = 1
 
-Analyzed = tuple[BodyFacts, bytes | None] | ApiError
+Analyzed = Analysis | ApiError
 _ErrorFields = tuple[int, str, str, str | None, str | None]
 
 
@@ -52,14 +52,14 @@ def _estimator(path: str) -> TokenEstimator:
 
 def _analyze_in_helper(operation: Operation, body: bytes, served_names: dict[str, str], limits: BodyLimits,
                        tokenizers: dict[str, str], routing: Routing
-                       ) -> tuple[tuple[BodyFacts, bytes | None] | _ErrorFields, float]:
+                       ) -> tuple[Analysis | _ErrorFields, float]:
     """The analysis, and the seconds it took (wall time: a helper short of CPU, niced as it is,
     takes longer, and its queue must be bounded by what it really takes)."""
     started = time.perf_counter()
     # An ApiError does not survive pickling (a dataclass exception has no args): send its fields.
     try:
         estimators = {name: _estimator(path) for name, path in tokenizers.items()}
-        result: tuple[BodyFacts, bytes | None] | _ErrorFields = analyze(
+        result: Analysis | _ErrorFields = analyze(
             operation, body, served_names, limits, estimators, routing)
     except ApiError as error:
         result = (error.status, error.message, error.type, error.param, error.code)
@@ -137,7 +137,7 @@ class BodyAnalyzer:
             self._queued -= size
         if size:
             self.seconds_per_byte += 0.2 * (seconds / size - self.seconds_per_byte)
-        if len(result) == 2:
+        if isinstance(result, Analysis):
             return result
         status, message, kind, param, code = result
         return ApiError(status, message, type=kind, param=param, code=code)

@@ -12,30 +12,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.api import ApiError
+from extproc.cache.lookup import CacheLookup, SemanticParaphrases
 from extproc.cache.semantic import SemanticIndexes
 from extproc.cache.sharing import PromptSharing
 from extproc.cache.store import ResponseCache
-from extproc.cache.warm import Warmer, WarmUp
-from extproc.config import SemanticCacheSpec
-from extproc.decisions import (
-    PASS_THROUGH,
-    Admit,
-    Analyze,
-    Classify,
-    Continue,
-    Decision,
-    Effect,
-    Lookup,
-    Reply,
-    SemanticHit,
-    Step,
-)
 from extproc.gateway import Gateway
 from extproc.offload import BodyAnalyzer
 from extproc.phases import Phase, ProtocolError, Stage, advance, check
@@ -43,6 +30,7 @@ from extproc.quota import MemoryStore, QuotaStore, StoreUnavailable
 from extproc.routing.classifier import IntentClassifier
 from extproc.sinks import Settlement
 from extproc.state import RequestState
+from extproc.steps import PASS_THROUGH, Admit, Analyze, Answer, Classify, Continue, Lookup, Reply, Step, Warm
 from extproc.wire import headers_to_dict, to_response
 
 log = logging.getLogger("llmgw.extproc")
@@ -58,18 +46,19 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                  analyzer: BodyAnalyzer | None = None, classifier: IntentClassifier | None = None,
                  cache: ResponseCache | None = None, semantic: SemanticIndexes | None = None) -> None:
         self.gateway = gateway
-        self.cache = cache
-        self.warmer = Warmer(cache) if cache is not None else None
         self.semantic = semantic or SemanticIndexes()
         # The prompts of stored answers, shared by every process; ``follow()`` it to receive them.
         self.sharing = PromptSharing(self.semantic, cache) if cache is not None else None
+        self.cache = CacheLookup(cache, SemanticParaphrases(cache, self.semantic, self.sharing)) \
+            if cache is not None and self.sharing is not None else None
         self.store = store or MemoryStore()
-        self.settlement = settlement or Settlement(gateway, self.store)
+        self.settlement = settlement or Settlement(gateway.feedback, lambda: gateway.config, self.store)
         self.analyzer = analyzer or BodyAnalyzer()
         self.classifier = classifier or IntentClassifier()
         # The effects the gateway may ask for, each run by one coroutine.
-        self._effects: dict[type, Callable[[Effect], Awaitable[object]]] = {
-            Analyze: self._analyze, Admit: self._admit, Classify: self._classify, Lookup: self._lookup}
+        self._effects: dict[type, Callable[[Any], Awaitable[object]]] = {
+            Analyze: self.analyzer.analyze, Admit: self._admit, Classify: self._classify,
+            Lookup: self._lookup, Warm: self._warm}
 
     async def Process(  # noqa: N802 (the gRPC method name)
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -100,7 +89,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
     async def _decide(self, state: RequestState, phase: Phase, message: pb.ProcessingRequest
-                      ) -> tuple[Decision, bool]:
+                      ) -> tuple[Answer, bool]:
         """The gateway's answer to one message, after running the effects it asks for. A bug fails
         this request closed with a 500 (never the server), and gives back whatever admission took."""
         try:
@@ -115,58 +104,16 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 self.settlement.release(lease)
             return self.gateway.internal_error(state, _INTERNAL_ERROR), True
 
-    async def _analyze(self, effect: Effect) -> object:
-        assert isinstance(effect, Analyze)
-        return await self.analyzer.analyze(effect)
-
-    async def _classify(self, effect: Effect) -> object:
-        assert isinstance(effect, Classify)
+    async def _classify(self, effect: Classify) -> object:
         return await self.classifier.classify(effect.text)
 
-    async def _lookup(self, effect: Effect) -> object:
-        assert isinstance(effect, Lookup)
-        cache = self.cache
-        if cache is None:
-            return None
-        if effect.stale:
-            return await cache.stale(effect.key)
-        hot = cache.hot(effect.key)  # it missed before: its answer is on its way, or could not be kept
-        value = await cache.lookup(effect.key)
-        if value is None and effect.semantic is not None:
-            found = await self._paraphrase(cache, effect)
-            if found is not None:
-                return found
-        if value is None and hot and self.warmer is not None and effect.warm is not None:
-            warm = effect.warm()
-            if isinstance(warm, WarmUp):
-                value = await self.warmer.answer(effect.key, warm)
-        return value
+    async def _lookup(self, effect: Lookup) -> object:
+        return await self.cache.lookup(effect) if self.cache is not None else None
 
-    async def _paraphrase(self, cache: ResponseCache, effect: Lookup) -> SemanticHit | None:
-        """The semantic cache: the answer of an earlier request asking the same thing in other words
-        (embedded in this process's embedding thread); else this request's prompt is shared with
-        every process once its answer is stored."""
-        assert effect.semantic is not None and self.sharing is not None
-        partition, text, spec = effect.semantic
-        assert isinstance(spec, SemanticCacheSpec)
-        index = self.semantic.ready(spec)
-        if index is None:  # its embedder is still loading: an exact lookup only, this time
-            return None
-        try:
-            prompt = await self.semantic.run(index.prepare, text)
-        except Exception as error:  # noqa: BLE001 (the embedder failed: exact keys only)
-            log.warning("semantic cache unavailable: %s", str(error) or type(error).__name__)
-            return None
-        match = index.match(partition, prompt)
-        if match is not None and match.key != effect.key:
-            value = await cache.lookup(match.key)
-            if value is not None:
-                return SemanticHit(value, match.score)
-        self.sharing.missed(spec.embedder, partition, prompt, effect.key)
-        return None
+    async def _warm(self, effect: Warm) -> object:
+        return await self.cache.warm(effect) if self.cache is not None else None
 
-    async def _admit(self, effect: Effect) -> object:
-        assert isinstance(effect, Admit)
+    async def _admit(self, effect: Admit) -> object:
         try:
             return await self.store.admit(effect.admission, effect.quota)
         except StoreUnavailable as error:

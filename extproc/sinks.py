@@ -10,22 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import OrderedDict
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
 from extproc.accounting import CACHE_MISS, Decision, RequestRecord, ResponseFacts, build_record, micro_dollars
 from extproc.cache.answers import NotCacheable, parse_answer
+from extproc.config import GatewayConfig
 from extproc.ledger import LedgerSink, ledger_record, unsettled_record
 from extproc.quota import QuotaStore, StoreUnavailable
 from extproc.quota.limits import Lease
+from extproc.routing.feedback import RoutingFeedback
 
 if TYPE_CHECKING:
     from extproc.cache.store import ResponseCache
-    from extproc.gateway import Gateway
     from extproc.telemetry.metrics import GatewayMetrics
 
 log = logging.getLogger("llmgw.settlement")
@@ -44,10 +44,11 @@ class SpanSink(Protocol):
 class Settlement:
     """Builds each finished request's record once and gives it to every sink."""
 
-    def __init__(self, gateway: Gateway, store: QuotaStore, ledger: LedgerSink | None = None,
-                 metrics: GatewayMetrics | None = None, tracer: SpanSink | None = None,
-                 cache: ResponseCache | None = None) -> None:
-        self.gateway = gateway
+    def __init__(self, feedback: RoutingFeedback, config: Callable[[], GatewayConfig], store: QuotaStore,
+                 ledger: LedgerSink | None = None, metrics: GatewayMetrics | None = None,
+                 tracer: SpanSink | None = None, cache: ResponseCache | None = None) -> None:
+        self.feedback = feedback  # routing hears of each finished request here, and only here
+        self._config = config  # the gateway's current config snapshot (prices, caches, fallback chains)
         self.cache = cache
         self.store = store
         self.ledger = ledger
@@ -67,22 +68,12 @@ class Settlement:
         # Priced as the model that answered: the fallback's when Envoy's last attempt went to it (the
         # pod that answered is one of its pool's; an upstream filter's metadata never reaches the log).
         spare = self._spare_model(decision, response.upstream)
-        model = self.gateway.config.lookup(spare or decision.served_model)
+        model = self._config().lookup(spare or decision.served_model)
         record = build_record(decision, response, model.prices if model is not None else None)
-        self.gateway.router.ended(decision.id)
-        if decision.endpoint and record.attempts > 1:
-            # Envoy needed a second attempt: the pod extproc picked failed this request.
-            backoff = self.gateway.health.attempt_failed(decision.endpoint)
-            log.warning("pod %s failed an attempt (retried elsewhere): no traffic for %.0f s", decision.endpoint,
-                        backoff)
-        elif decision.endpoint and record.upstream == decision.endpoint:
-            if record.status in (429, 503) and response.retry_after_s is not None:
-                # The pod asked for a pause: it gets no traffic from this process for that long.
-                self.gateway.health.pause(decision.endpoint, response.retry_after_s)
-            else:
-                self.gateway.health.attempt_succeeded(decision.endpoint)
-        self._breakers(record, spare is not None)
-        self.gateway.learn(record)
+        for scope, name, state in self.feedback.finished(record, response.retry_after_s, spare is not None):
+            log.warning("circuit breaker of %s %s: %s", scope, name, state)
+            if self.metrics is not None:
+                self.metrics.breaker(scope, name, state)
         if decision.lease is not None:
             tokens, cost = record.charge()
             self._spawn(self.store.release(decision.lease, tokens, cost))
@@ -94,33 +85,11 @@ class Settlement:
 
     def _spare_model(self, decision: Decision, upstream: str) -> str | None:
         """The fallback model whose pod answered (Envoy's last attempt), if one of its chain did."""
-        config = self.gateway.config
+        config = self._config()
         pool, model = config.pools.get(decision.pool), config.lookup(decision.served_model)
         if not upstream or pool is None or model is None or upstream in pool.endpoints:
             return None
         return next((name for name in model.fallback if upstream in config.models_by_name[name].pool.endpoints), None)
-
-    def _breakers(self, record: RequestRecord, served_elsewhere: bool) -> None:
-        """Feed the circuit breakers: the pod extproc picked failed if Envoy had to retry; the pod
-        that answered by the final outcome; the pool by the final outcome, or failed when the
-        fallback model's pod had to answer for it."""
-        breakers, decision = self.gateway.router.breakers, record.decision
-        failed = record.pod_failed
-        if breakers is None or failed is None or not decision.endpoint:
-            return
-        now = time.monotonic()
-        changes = []
-        if record.attempts > 1:
-            changes += breakers.record("", decision.endpoint, True, now)
-            if record.upstream and record.upstream != decision.endpoint:
-                changes += breakers.record("", record.upstream, failed, now)
-            changes += breakers.record(decision.pool, "", failed or served_elsewhere, now)
-        else:
-            changes += breakers.record(decision.pool, decision.endpoint, failed, now)
-        for scope, name, state in changes:
-            log.warning("circuit breaker of %s %s: %s", scope, name, state)
-            if self.metrics is not None:
-                self.metrics.breaker(scope, name, state)
 
     def cached(self, record: RequestRecord, charged: bool) -> None:
         """A request the response cache answered: its lease settles with no tokens and no cost
@@ -137,8 +106,9 @@ class Settlement:
     def _keep(self, record: RequestRecord, body: bytes) -> None:
         """Store a miss's complete answer under its key (a cut or failed one is not kept)."""
         decision = record.decision
-        model = self.gateway.config.lookup(decision.served_model)
-        spec = self.gateway.config.cache_for(decision.rule, model) if model is not None else None
+        config = self._config()
+        model = config.lookup(decision.served_model)
+        spec = config.cache_for(decision.rule, model) if model is not None else None
         if spec is None or record.status != 200 or not record.complete or len(body) > spec.max_entry_bytes:
             return
         try:
@@ -182,7 +152,7 @@ class Settlement:
 
     def running(self, decision: Decision) -> None:
         """A periodic entry: the request still runs; its lease is renewed for another TTL."""
-        self.gateway.router.running(decision.id)
+        self.feedback.running(decision.id)
         if decision.lease is not None and decision.id not in self._seen:
             self._spawn(self._renew(decision))
 

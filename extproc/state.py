@@ -6,12 +6,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from extproc.accounting import Phase
+from extproc.accounting import CACHE_HIT, CACHE_MISS, CACHE_STALE, Decision, Phase
 from extproc.api import ApiError, Operation
 from extproc.body import BodyFacts
 from extproc.config import Model, Pool, Tenant
-from extproc.decisions import Headers
 from extproc.quota.limits import Lease
+from extproc.steps import Headers, Reply
 from extproc.telemetry.tracecontext import TraceContext
 
 
@@ -55,6 +55,33 @@ class RequestState:
         if self.trace is None:
             return ()
         return (("x-request-id", self.request_id), ("traceparent", self.trace.traceparent))
+
+    def reject(self, error: ApiError, extra: Headers = ()) -> Reply:
+        """Answer the request with ``error`` (it is then a rejection, recorded as such)."""
+        self.rejected = error
+        return Reply.error(error, (*self.identity_headers(), *extra))
+
+    def decision(self, endpoint: str = "") -> Decision:
+        """The request's decision so far (a refused request has no pool nor endpoint): what travels
+        with it as Envoy metadata, and what its record is built from."""
+        facts, model, trace = self.facts, self.model, self.trace
+        pool = self.pool or (model.pool if model is not None else None)
+        cache = "" if self.cache_key is None else (CACHE_STALE if self.cache_stale else CACHE_HIT) \
+            if self.cached is not None else CACHE_MISS
+        return Decision(
+            id=self.id, request_id=self.request_id, started_ns=self.started_ns, path=self.path,
+            model=facts.model if facts is not None else "", served_model=model.name if model is not None else "",
+            model_version=model.version if model is not None else "", pool=pool.name if pool is not None else "",
+            endpoint=endpoint, rule=facts.chosen_by if model is not None and facts is not None else "",
+            stream=facts.stream if facts is not None else False,
+            input_tokens=facts.input_tokens if facts is not None else 0,
+            max_tokens=facts.output_limit if facts is not None else None, n=facts.n if facts is not None else 1,
+            tenant=self.tenant.name if self.tenant is not None else "", qos=self.qos,
+            trace_id=trace.trace_id if trace else "", span_id=trace.span_id if trace else "",
+            parent_span_id=(trace.parent_span_id or "") if trace else "", sampled=self.sampled,
+            lease=self.lease, phases=tuple(self.phases), intent=facts.intent if facts is not None else "",
+            score=facts.score if facts is not None else None, cache=cache, fallback_from=self.fallback_from,
+            cache_key=self.cache_key.hex() if self.cache_key is not None and self.cached is None else "")
 
     def begin(self) -> None:
         """Start timing a phase (``end`` names it)."""

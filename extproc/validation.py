@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from extproc.api import ApiError
 from extproc.auth import CREDENTIAL_HEADERS
 from extproc.config import ServerSpec
-from extproc.decisions import Headers
+from extproc.steps import Headers
 
 # Headers only the gateway may set: a client's copy is removed before anything routes on it.
 INTERNAL_PREFIX = "x-llmgw-"

@@ -11,8 +11,8 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingResponse,
 )
 
-from extproc.decisions import Continue, Decision, Reply
 from extproc.phases import Phase
+from extproc.steps import Answer, Continue, Reply
 
 # Envoy's ext_proc filter sends header values in raw_value (bytes); older releases used value.
 OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -51,7 +51,7 @@ def _fill(common: CommonResponse, decision: Continue) -> None:
         common.body_mutation.body = decision.body
 
 
-def to_response(phase: Phase, decision: Decision) -> ProcessingResponse:
+def to_response(phase: Phase, decision: Answer) -> ProcessingResponse:
     """The ProcessingResponse answering a ``phase`` message with ``decision``."""
     response = ProcessingResponse()
     if isinstance(decision, Reply):

@@ -8,11 +8,11 @@ import orjson
 import pytest
 
 from extproc.config import hash_key, parse_config
-from extproc.decisions import Admit, Continue, Reply
 from extproc.gateway import Gateway
 from extproc.quota import MemoryStore, StoreUnavailable
 from extproc.routing.picker import Picker
 from extproc.state import RequestState
+from extproc.steps import Admit, Continue, Reply
 from tests.helpers import CONFIG, post_headers
 
 KEY = "sk-limited"
@@ -188,10 +188,10 @@ async def test_a_bug_after_admission_gives_the_slot_back_and_answers_500(monkeyp
     store = MemoryStore()
     servicer = ExternalProcessor(gateway, store)
 
-    def broken(state: RequestState, qos_header: str) -> None:
+    def broken(state: RequestState) -> None:
         raise RuntimeError("a bug in routing")
 
-    monkeypatch.setattr(gateway.router, "route", broken)
+    monkeypatch.setattr(gateway.route, "route", broken)
     replies = await _process(servicer, request_headers(post_headers(authorization="Bearer sk-s")), request_body(CHAT))
     answer = replies[-1].immediate_response  # type: ignore[attr-defined]
     assert answer.status.code == 500 and orjson.loads(answer.body)["error"]["code"] == "internal_error"
@@ -206,7 +206,7 @@ async def test_a_bug_after_admission_gives_the_slot_back_and_answers_500(monkeyp
 
 
 def test_large_bodies_are_handed_to_the_shell_for_analysis() -> None:
-    from extproc.decisions import Analyze
+    from extproc.steps import Analyze
 
     document = {**DOCUMENT, "server": {**CONFIG["server"], "max_body_bytes": 1 << 20, "offload_body_bytes": 1024}}
     gateway = Gateway(parse_config(document, env={"POOL_KEY": "p"}), Picker(random.Random(0)))

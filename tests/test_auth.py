@@ -14,9 +14,9 @@ import yaml
 from extproc.app import watch_config
 from extproc.auth import presented_key
 from extproc.config import hash_key, load_config, parse_config
-from extproc.decisions import Continue, Reply
 from extproc.gateway import Gateway
 from extproc.routing.picker import Picker
+from extproc.steps import Continue, Reply
 from tests.helpers import CONFIG, post_headers
 
 KEY_A, KEY_B = "sk-team-a", "sk-team-b"

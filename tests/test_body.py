@@ -53,7 +53,8 @@ def test_deep_nesting_is_a_400_before_validation_not_a_crash_in_the_rewrite() ->
 
 def test_facts_of_an_alias_stream_carry_the_rewritten_body() -> None:
     body = orjson.dumps({"model": "gpt-4o-mini", "messages": HI, "stream": True, "n": 2, "max_tokens": 9, "top_k": 3})
-    facts, new_body = analyze(Operation.CHAT, body, SERVED, BodyLimits())
+    analysis = analyze(Operation.CHAT, body, SERVED, BodyLimits())
+    facts, new_body = analysis.facts, analysis.body
     read = (facts.model, facts.served, facts.stream, facts.n, facts.output_limit)
     assert read == ("gpt-4o-mini", "llama", True, 2, 9)
     assert facts.strip_usage and facts.input_tokens > 0 and not facts.embedding
@@ -63,19 +64,21 @@ def test_facts_of_an_alias_stream_carry_the_rewritten_body() -> None:
 
 
 def test_canonical_plain_request_is_forwarded_unchanged() -> None:
-    facts, new_body = analyze(Operation.CHAT, orjson.dumps({"model": "llama", "messages": HI}), SERVED, BodyLimits())
+    analysis = analyze(Operation.CHAT, orjson.dumps({"model": "llama", "messages": HI}), SERVED, BodyLimits())
+    facts, new_body = analysis.facts, analysis.body
     assert new_body is None and facts.served == "llama" and not facts.strip_usage
 
 
 def test_unknown_model_is_reported_not_rewritten() -> None:
     body = orjson.dumps({"model": "nope", "messages": HI, "stream": True})
-    facts, new_body = analyze(Operation.CHAT, body, SERVED, BodyLimits())
+    analysis = analyze(Operation.CHAT, body, SERVED, BodyLimits())
+    facts, new_body = analysis.facts, analysis.body
     assert facts.served is None and new_body is None and not facts.strip_usage
 
 
 def test_embeddings_facts() -> None:
-    facts, _ = analyze(Operation.EMBEDDINGS, orjson.dumps({"model": "llama", "input": ["a b", "c"]}), SERVED,
-                       BodyLimits())
+    facts = analyze(Operation.EMBEDDINGS, orjson.dumps({"model": "llama", "input": ["a b", "c"]}), SERVED,
+                    BodyLimits()).facts
     assert facts.embedding and facts.output_limit == 0 and facts.input_tokens > 0
 
 

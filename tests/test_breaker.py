@@ -11,10 +11,10 @@ import orjson
 import pytest
 
 from extproc.config import parse_config
-from extproc.decisions import Continue, Lookup, Reply
 from extproc.gateway import Gateway
 from extproc.routing.breaker import CLOSED, HALF_OPEN, OPEN, Breaker, BreakerSettings
 from extproc.routing.picker import Picker
+from extproc.steps import Continue, Lookup, Reply
 
 SETTINGS = BreakerSettings(window_s=60, failure_ratio=0.6, min_requests=5, open_s=10.0, probes=2)
 
@@ -86,8 +86,8 @@ def _decide(gateway: Gateway, body: dict) -> object:
 
 def _open(gateway: Gateway, pool: str) -> None:
     for _ in range(2):
-        gateway.breakers.record(pool, "", True, 0.0)
-    gateway.breakers.pool(pool).opened_at = 1e18  # open for good, whatever the clock says
+        gateway.router.breakers.record(pool, "", True, 0.0)
+    gateway.router.breakers.pool(pool).opened_at = 1e18  # open for good, whatever the clock says
 
 
 ASK = {"model": "big-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -119,8 +119,8 @@ def test_with_every_pool_open_a_cacheable_request_asks_for_a_stale_copy_and_othe
 def test_a_pod_whose_breaker_is_open_is_not_picked() -> None:
     gateway = _gateway()
     for _ in range(2):
-        gateway.breakers.record("", "10.0.0.1:8000", True, 0.0)
-    gateway.breakers.pod("10.0.0.1:8000").opened_at = 1e18
+        gateway.router.breakers.record("", "10.0.0.1:8000", True, 0.0)
+    gateway.router.breakers.pod("10.0.0.1:8000").opened_at = 1e18
     for _ in range(20):
         decided = _decide(gateway, ASK)
         assert isinstance(decided, Continue)
@@ -191,5 +191,5 @@ def test_a_semantic_cache_beside_routing_rules_gets_its_context_digest() -> None
     asked = _decide(gateway, {**ASK, "temperature": 0, "messages": [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a Bloom filter?"}]})
     assert isinstance(asked, Lookup) and asked.semantic is not None
-    partition, text, _ = asked.semantic
+    partition, text = asked.semantic.partition, asked.semantic.text
     assert len(partition) == 64 and text == "What is a Bloom filter?"

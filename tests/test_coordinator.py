@@ -115,7 +115,7 @@ def test_the_route_depends_on_the_class_and_the_body(qos: str, body: bytes, rout
     assert ("x-llmgw-batch" in headers) == (route == "batch")
     if route == "batch":
         assert headers["x-llmgw-batch"] == "wait_ms=50; size=32; tokens=4096; group=0.72"
-    gateway.health.probed("127.0.0.1:8081", False)  # the coordinator stops answering its probe
+    gateway.router.health.probed("127.0.0.1:8081", False)  # the coordinator stops answering its probe
     assert _route(gateway, qos, body)["x-llmgw-route"] == "direct"
 
 

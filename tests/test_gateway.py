@@ -7,10 +7,10 @@ import random
 import orjson
 import pytest
 
-from extproc.decisions import Continue, Reply
 from extproc.gateway import Gateway
 from extproc.routing.picker import Picker
 from extproc.state import RequestState
+from extproc.steps import Continue, Reply
 from extproc.validation import DESTINATION_HEADER
 from tests.helpers import deterministic_id_source, make_config, post_headers
 
@@ -169,8 +169,8 @@ def test_least_in_flight_spreads_and_releases(gateway: Gateway) -> None:
     second, _ = through_body(gateway, CHAT)
     assert {first.endpoint, second.endpoint} == {"10.0.0.1:8000", "10.0.0.2:8000"}  # one each
     endpoint = first.endpoint
-    gateway.router.ended(first.id)  # its access-log entry came to this process
-    gateway.router.ended(first.id)  # a duplicate releases nothing more
+    gateway.feedback.ended(first.id)  # its access-log entry came to this process
+    gateway.feedback.ended(first.id)  # a duplicate releases nothing more
     third, _ = through_body(gateway, CHAT)
     assert third.endpoint == endpoint  # the freed endpoint is now the least loaded
 
@@ -178,9 +178,9 @@ def test_least_in_flight_spreads_and_releases(gateway: Gateway) -> None:
 def test_picks_whose_entries_went_elsewhere_are_forgotten(gateway: Gateway) -> None:
     first, _ = through_body(gateway, CHAT)
     second, _ = through_body(gateway, CHAT)
-    gateway.router.running(second.id)  # a periodic entry: still generating
-    stale = gateway.router.forget_stale(now=10**9)
-    assert {d.id for d in stale} == {first.id, second.id} and gateway.router.picks == 0
+    gateway.feedback.running(second.id)  # a periodic entry: still generating
+    stale = gateway.feedback.forget_stale(now=10**9)
+    assert {d.id for d in stale} == {first.id, second.id} and gateway.feedback.picks == 0
 
 
 def test_the_decision_rides_as_metadata_with_baggage(gateway: Gateway) -> None:

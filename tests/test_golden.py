@@ -17,8 +17,8 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.json_format import MessageToDict
 
+from extproc.accounting import NAMESPACE as METADATA_NAMESPACE
 from extproc.gateway import Gateway
-from extproc.routing.decision import METADATA_NAMESPACE
 from extproc.routing.picker import Picker
 from extproc.server import ExternalProcessor
 from tests.helpers import deterministic_id_source, make_config, post_headers, request_body, request_headers

@@ -10,8 +10,8 @@ import pytest
 
 from extproc.api import ApiError, Operation
 from extproc.body import BodyLimits, analyze
-from extproc.decisions import Analyze
 from extproc.offload import BodyAnalyzer
+from extproc.steps import Analyze
 
 SERVED = {"llama": "llama", "mini": "llama"}
 

@@ -9,10 +9,9 @@ from dataclasses import dataclass
 import pytest
 
 from extproc.config import PickerSpec, Pool, WeightsSpec
-from extproc.routing.decision import Router
-from extproc.routing.health import EndpointHealth
 from extproc.routing.picker import Picker, PickRequest
 from extproc.routing.prefix import PrefixIndex, block_hashes, prefix_hashes
+from extproc.stages.resolution import shed
 
 PODS = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")
 A, B, C = PODS
@@ -201,16 +200,16 @@ SHED_POOL = Pool("gpu", PODS, shed=(("batch", 2.0), ("default", 8.0), ("realtime
     (40.0, {"batch", "balanced", "", "realtime"}),
 ])
 def test_shedding_refuses_batch_first_then_the_default_class_then_realtime(waiting: float, refused: set[str]) -> None:
-    router = Router(picker({pod: Pod(waiting=waiting) for pod in PODS}), EndpointHealth())
-    shed = {qos for qos in ("batch", "balanced", "", "realtime") if router.shed(SHED_POOL, qos) is not None}
-    assert shed == refused
+    states = picker({pod: Pod(waiting=waiting) for pod in PODS}).states
+    refusing = {qos for qos in ("batch", "balanced", "", "realtime") if shed(states, SHED_POOL, qos) is not None}
+    assert refusing == refused
     if refused:
-        error = router.shed(SHED_POOL, "batch")
+        error = shed(states, SHED_POOL, "batch")
         assert error is not None and error.status == 429 and error.code == "pool_overloaded"
 
 
 def test_shedding_uses_known_pods_only_and_sheds_nothing_when_none_is_known() -> None:
-    router = Router(picker({A: Pod(waiting=10)}), EndpointHealth())  # B, C unknown: mean over A alone
-    assert router.shed(SHED_POOL, "batch") is not None
-    assert Router(picker(), EndpointHealth()).shed(SHED_POOL, "batch") is None
-    assert router.shed(Pool("free", PODS), "batch") is None  # no depths configured
+    states = picker({A: Pod(waiting=10)}).states  # B, C unknown: mean over A alone
+    assert shed(states, SHED_POOL, "batch") is not None
+    assert shed(picker().states, SHED_POOL, "batch") is None
+    assert shed(states, Pool("free", PODS), "batch") is None  # no depths configured

@@ -13,12 +13,12 @@ import pytest
 import yaml
 
 from extproc.config import ConfigError, hash_key, parse_config
-from extproc.decisions import Admit, Continue
 from extproc.gateway import Gateway
 from extproc.routing.explain import explain
 from extproc.routing.features import PromptFeatures, extract, language_of
 from extproc.routing.picker import Picker
 from extproc.routing.rules import Match, Range, RouteContext, Rule, choose
+from extproc.steps import Admit, Continue
 from tests.helpers import post_headers
 
 SYSTEM = {"role": "system", "content": "You are terse."}

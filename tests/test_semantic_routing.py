@@ -13,13 +13,13 @@ import pytest
 
 from extproc.api import Operation
 from extproc.config import ConfigError, parse_config
-from extproc.decisions import Classify, Continue
 from extproc.gateway import Gateway
 from extproc.routing.classifier import IntentClassifier, build_index
 from extproc.routing.embedders import HashingEmbedder
 from extproc.routing.explain import explain
 from extproc.routing.intents import Intent, IntentIndex, IntentMatch
 from extproc.routing.picker import Picker
+from extproc.steps import Classify, Continue
 
 DOCUMENT = {
     "pools": [{"name": "general", "endpoints": ["10.0.0.1:8000"]}, {"name": "code", "endpoints": ["10.0.0.2:8000"]}],

@@ -51,7 +51,7 @@ class Worker:
         config = parse_config(DOCUMENT, env={"POOL_KEY": "p"})
         self.gateway = Gateway(config, Picker(random.Random(0)))
         self.ledger = ListLedger()
-        self.settlement = Settlement(self.gateway, store, self.ledger)  # type: ignore[arg-type]
+        self.settlement = Settlement(self.gateway.feedback, lambda: self.gateway.config, store, self.ledger)  # type: ignore[arg-type]
         self.extproc = ExternalProcessor(self.gateway, store, self.settlement)
         self.receiver = AccessLogReceiver(self.settlement)
 

@@ -9,10 +9,10 @@ from typing import Any
 import orjson
 import pytest
 
-from extproc.decisions import Continue
 from extproc.gateway import Gateway
-from extproc.routing.decision import STRIP_USAGE_HEADER
 from extproc.routing.picker import Picker
+from extproc.stages.route import STRIP_USAGE_HEADER
+from extproc.steps import Continue
 from tests.helpers import deterministic_id_source, make_config, post_headers
 
 MODEL, ALIAS = "llama-3-8b-instruct", "gpt-4o-mini"

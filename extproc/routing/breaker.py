@@ -112,6 +112,7 @@ class Breakers:
     """The breakers of every pod and pool one process has seen, created on first use."""
 
     def __init__(self, settings: BreakerSettings | None = None) -> None:
+        self.enabled = True  # off (``breakers.enabled: false``): nothing is recorded, everything allowed
         self.reset(settings or BreakerSettings())
 
     def reset(self, settings: BreakerSettings) -> None:

@@ -1,13 +1,20 @@
-"""What the pure core decides for one ext_proc message; `extproc.wire` turns these into protobuf."""
+"""What the pure core answers for one ext_proc message (``Continue``, ``Reply``: ``extproc.wire``
+turns these into protobuf), and the effects it asks the shell to run first (``Admit``, ``Analyze``,
+``Classify``, ``Lookup``, ``Warm``), with what those hand back."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from extproc.api import ApiError, Operation
 from extproc.body import NO_RULES, BodyLimits, Routing
 from extproc.quota.limits import Admission, Quota
+
+if TYPE_CHECKING:  # annotations only: the body-analysis helper imports this module, and needs neither
+    from extproc.cache.warm import WarmUp
+    from extproc.config import SemanticCacheSpec
 
 Headers = tuple[tuple[str, str], ...]
 JSON_CONTENT_TYPE = ("content-type", "application/json")
@@ -84,17 +91,33 @@ class Classify:
 
 
 @dataclass(frozen=True, slots=True)
+class SemanticQuery:
+    """What the semantic cache matches: the request's last user turn, within its partition (the
+    rest of the conversation, the model and the tenant's share, digested), with its settings."""
+
+    partition: str
+    text: str
+    spec: SemanticCacheSpec
+
+
+@dataclass(frozen=True, slots=True)
 class Lookup:
-    """Not an answer yet: the response cache, for the shell to look ``key`` up (its Bloom filter,
-    then its store), then hand the stored answer (None: a miss) to ``Gateway.resume``."""
+    """Not an answer yet: the response cache, for the shell to look ``key`` up
+    (``extproc.cache.lookup``), then hand back the stored answer, a ``SemanticHit``, ``HOT_MISS``
+    or None (a miss; also what a failed cache amounts to)."""
 
     key: bytes
     stale: bool = False  # no pod can answer: a stale copy will do (the fallback chain's last resort)
-    # For a key that keeps missing: how to fetch its answer once for every request waiting on it
-    # (``extproc.cache.warm``); built only when needed.
-    warm: Callable[[], object | None] | None = None
-    # The semantic cache: (partition, the last user turn, its settings); None: exact keys only.
-    semantic: tuple[str, str, object] | None = None
+    semantic: SemanticQuery | None = None  # None: exact keys only
+
+
+@dataclass(frozen=True, slots=True)
+class Warm:
+    """Not an answer yet: a hot key's answer, fetched once from a pod for every request waiting on
+    it (``extproc.cache.warm``); the shell hands back the answer, or None."""
+
+    key: bytes
+    warm_up: WarmUp
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +128,14 @@ class SemanticHit:
     score: float
 
 
-Decision = Continue | Reply
-Effect = Admit | Analyze | Classify | Lookup  # work the shell does, then hands back to ``Gateway.resume``
-Step = Decision | Effect
+@dataclass(frozen=True, slots=True)
+class HotMiss:
+    """What a ``Lookup`` found for a key that missed before and is missing again: its answer is on
+    its way, or could not be kept; a ``Warm`` fetches it once for every request asking."""
+
+
+HOT_MISS = HotMiss()
+Answer = Continue | Reply  # what goes back to Envoy for one message
+Effect = Admit | Analyze | Classify | Lookup | Warm  # work the shell does, then hands back to ``Gateway.resume``
+Step = Answer | Effect
 PASS_THROUGH = Continue()
