@@ -1,7 +1,7 @@
 # One image for every Python role of llmgw, chosen by the command it runs:
 #   extproc        llmgw serve --config /etc/llmgw/llmgw.yaml --host 0.0.0.0 --metrics-port 9464 --run-dir /tmp/llmgw
 #   coordinator    llmgw coordinator --config /etc/llmgw/llmgw.yaml --host 0.0.0.0
-#   simulated pod  python -m extproc.sim --host 0.0.0.0 --port 8000
+#   simulated pod  python -m llmgw_sim --host 0.0.0.0 --port 8000
 # Build from the repository root: docker build -t llmgw:dev .
 FROM python:3.11-slim-bookworm
 
@@ -19,6 +19,7 @@ RUN groupadd --system --gid 10001 llmgw \
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY extproc ./extproc
+COPY llmgw_sim ./llmgw_sim
 COPY config ./config
 # Editable, so the package's data files (Lua filters, .pyi) come along as they are in the tree.
 # xds-protos ships an older opentelemetry/proto/common (Envoy's API imports it); the OTLP exporter
@@ -27,8 +28,8 @@ RUN python -m venv "$VIRTUAL_ENV" \
  && pip install --upgrade pip \
  && pip install -e . \
  && pip install --force-reinstall --no-deps "opentelemetry-proto==$(python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')" \
- && python -m compileall -q extproc \
- && python -c "import extproc.app, extproc.coordinator.server, extproc.sim.server, extproc.telemetry.tracing"
+ && python -m compileall -q extproc llmgw_sim \
+ && python -c "import extproc.app, extproc.coordinator.server, llmgw_sim.server, extproc.telemetry.tracing"
 
 # Root owns the code; the processes run as llmgw and write only to /tmp (read-only root in compose and Kubernetes).
 USER 10001:10001

@@ -39,7 +39,7 @@ test: lint
 
 # ruff's rules and mypy's scope, with their reasons: [tool.ruff] and [tool.mypy] in pyproject.toml
 lint: $(VENV)/.dev
-	$(PY) -m ruff check extproc bench tests
+	$(PY) -m ruff check extproc llmgw_sim llmgw_testing bench tests
 	$(PY) -m mypy
 
 unit: $(VENV)/.dev

@@ -13,7 +13,7 @@ workers and client reach both. Lanes alternate, ``--rounds`` times; medians are 
 
 The pods run ``--engine``: ``continuous`` (vLLM), ``dynamic`` (the server batches what waits) or
 ``static`` (a batch is one call, as a server without a batcher runs them; see
-``extproc/sim/README.md``). One JSON line; PNG under ``docs/``.
+``llmgw_sim/README.md``). One JSON line; PNG under ``docs/``.
 """
 
 from __future__ import annotations

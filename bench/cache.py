@@ -82,7 +82,7 @@ from extproc import envoyconf
 from extproc.cache.store import ADDED_STREAM
 from extproc.config import BreakerSpec, ResponseCacheSpec
 from extproc.launcher import ChildFailed, LocalStack, StackInfo, StackOptions
-from extproc.redis_server import RedisServer
+from llmgw_testing.redis_server import RedisServer
 
 MODEL = "cached-model"
 BIG, SMALL = "big-model", "small-model"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import orjson
 
-from extproc.redis_server import RedisServer, redis_binary
+from llmgw_testing.redis_server import RedisServer, redis_binary
 
 RESULTS = Path(__file__).parent / "results"
 _TICKS = os.sysconf("SC_CLK_TCK")

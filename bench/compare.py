@@ -11,7 +11,7 @@ Four lanes reach the same two pods:
   offline, one uvicorn worker, no database, cache or callbacks).
 
 Pods: ``bench.instant_pod`` (answers at once and does not tokenize) for the plain and long cases;
-``extproc.sim`` paced at 1 ms per token, always 64 tokens, for the 64-token streams. Workloads,
+``llmgw_sim`` paced at 1 ms per token, always 64 tokens, for the 64-token streams. Workloads,
 each over every lane, rounds alternating the lanes' order:
 
 - ``plain_4k_c1``, ``plain_4k_c32``: a ~4 KB chat, max_tokens 1;
@@ -329,7 +329,7 @@ def main() -> None:
             pids["pod-instant"], pods["instant"] = _ready_address(
                 group, "pod-instant", [sys.executable, "-m", "bench.instant_pod", "--model", MODEL])
             pids["pod-paced"], pods["paced"] = _ready_address(group, "pod-paced", [
-                sys.executable, "-m", "extproc.sim", "--host", "127.0.0.1", "--port", "0", "--log-level", "ERROR",
+                sys.executable, "-m", "llmgw_sim", "--host", "127.0.0.1", "--port", "0", "--log-level", "ERROR",
                 "--model", STREAM_MODEL, "--time-scale", "1", "--ignore-eos", "--prefill-per-token-ms", "0",
                 "--decode-base-ms", "1.0", "--decode-per-seq-ms", "0.1"])
             pids["null"], null_address = _ready_address(group, "null-extproc",
@@ -374,7 +374,7 @@ def main() -> None:
         "cases": results,
         "setup": {"litellm": litellm.LITELLM_VERSION, "extproc_workers": args.workers,
                   "cases": {c.name: c.requests for c in workloads},
-                  "pods": "bench.instant_pod (plain, long); extproc.sim paced 1 ms/token, 64 tokens (stream64)",
+                  "pods": "bench.instant_pod (plain, long); llmgw_sim paced 1 ms/token, 64 tokens (stream64)",
                   "calibration_ms": calibration, "child_exits": exits, "wall_s": round(time.monotonic() - started, 1)},
     }
     emit("compare", result)

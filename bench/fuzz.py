@@ -1162,7 +1162,7 @@ def slow_pod(log_dir: Path) -> Iterator[tuple[str, Any]]:
 
     group = ProcessGroup(log_dir)
     try:
-        child = group.spawn("pod-slow", [sys.executable, "-m", "extproc.sim", "--host", "127.0.0.1", "--port", "0",
+        child = group.spawn("pod-slow", [sys.executable, "-m", "llmgw_sim", "--host", "127.0.0.1", "--port", "0",
                                          "--model", SLOW_MODEL, "--log-level", "ERROR"])
         url = group.wait_ready_line(child, 30)
         yield url.removeprefix("http://"), group

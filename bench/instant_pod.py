@@ -1,5 +1,5 @@
 """A pod that answers at once, whatever the prompt's size: for benchmarks of what the gateway
-costs on long prompts, where ``extproc.sim``'s real tokenizer (~80 ms of a core per 220 KB) would
+costs on long prompts, where ``llmgw_sim``'s real tokenizer (~80 ms of a core per 220 KB) would
 be most of the work and of the latency.
 
 OpenAI-compatible enough for the gateway: ``POST /v1/chat/completions`` and ``/v1/completions``

@@ -254,7 +254,7 @@ def check_chats(base_url: str, model: str, api_key: str = "sk-bench-dummy") -> C
 
 
 def _start_sim(model: str) -> tuple[subprocess.Popen[str], str]:
-    sim = subprocess.Popen([sys.executable, "-m", "extproc.sim", "--host", "127.0.0.1", "--port", "0", "--model", model,
+    sim = subprocess.Popen([sys.executable, "-m", "llmgw_sim", "--host", "127.0.0.1", "--port", "0", "--model", model,
                             "--time-scale", "0", "--log-level", "ERROR"],
                            stdout=subprocess.PIPE, text=True, start_new_session=True)
     assert sim.stdout is not None
@@ -262,7 +262,7 @@ def _start_sim(model: str) -> tuple[subprocess.Popen[str], str]:
         if line.startswith("READY "):
             return sim, line.split()[1].removeprefix("http://")
     sim.kill()
-    raise RuntimeError(f"extproc.sim did not start (exit {sim.wait()})")
+    raise RuntimeError(f"llmgw_sim did not start (exit {sim.wait()})")
 
 
 def selftest() -> dict[str, object]:

@@ -821,7 +821,7 @@ def main() -> None:
         metrics = None
         held = []
         try:
-            sim = [sys.executable, "-m", "extproc.sim", "--host", "127.0.0.1", "--port", "0", "--log-level", "ERROR"]
+            sim = [sys.executable, "-m", "llmgw_sim", "--host", "127.0.0.1", "--port", "0", "--log-level", "ERROR"]
             pids: dict[str, int] = {}
             pods: dict[str, str] = {}
             pids["pod-instant"], pods["instant"] = _ready_address(
@@ -943,8 +943,8 @@ def main() -> None:
     result["setup"] = {
         "extproc_workers_per_policy": args.workers, "envoy_concurrency": args.envoy_concurrency,
         "cases": {c.name: c.requests for c in cases},
-        "plain_pod": "extproc.sim --time-scale 0 (max_tokens 1)",
-        "stream_pod": f"extproc.sim --time-scale 1 --ignore-eos, {args.token_ms} ms + {args.token_ms_per_seq} ms per "
+        "plain_pod": "llmgw_sim --time-scale 0 (max_tokens 1)",
+        "stream_pod": f"llmgw_sim --time-scale 1 --ignore-eos, {args.token_ms} ms + {args.token_ms_per_seq} ms per "
                       f"sequence per token, {STREAM_TOKENS} tokens",
         "full": "tenant + API key + rpm/tpm/concurrency limits (SQLite quota), prices, file ledger, "
                 "multiprocess Prometheus metrics; log level WARNING on every lane",

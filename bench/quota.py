@@ -93,7 +93,7 @@ def main() -> None:
             assert redis.proc is not None
             result = asyncio.run(measure(args, port, pids, redis.proc.pid))
     result["setup"] = {"store": "redis (one Lua admission + one settlement per request)", "extproc_workers": 1,
-                       "envoy_concurrency": 1, "pod": "extproc.sim --time-scale 0"}
+                       "envoy_concurrency": 1, "pod": "llmgw_sim --time-scale 0"}
     emit("quota", result)
 
 

@@ -112,7 +112,7 @@ def main() -> None:
     procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as tmp:
         try:
-            pod = subprocess.Popen([sys.executable, "-m", "extproc.sim", "--host", "127.0.0.1", "--port", "0",
+            pod = subprocess.Popen([sys.executable, "-m", "llmgw_sim", "--host", "127.0.0.1", "--port", "0",
                                     "--log-level", "ERROR", "--model", "m", "--time-scale", "1", "--ignore-eos",
                                     "--prefill-per-token-ms", "0", "--decode-base-ms", "1.0",
                                     "--decode-per-seq-ms", "0.1"], stdout=subprocess.PIPE)

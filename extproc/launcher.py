@@ -583,7 +583,7 @@ class LocalStack:
         return pod_urls
 
     def _pod_argv(self, served: list[str]) -> list[str]:
-        return [sys.executable, "-m", "extproc.sim", "--host", "127.0.0.1", "--port", str(free_port()),
+        return [sys.executable, "-m", "llmgw_sim", "--host", "127.0.0.1", "--port", str(free_port()),
                 *served, *self.options.sim_args]
 
     def reload(self) -> int:

@@ -1,7 +1,7 @@
 """Chat templates: OpenAI chat ``messages`` (and ``tools``) -> the prompt a model server encodes.
 
 One definition shared by the gateway (``extproc.tokens`` estimates prompt tokens from it) and the
-simulated pod (``extproc.sim`` encodes it), so the estimate and the pod's ``usage.prompt_tokens``
+simulated pod (``llmgw_sim`` encodes it), so the estimate and the pod's ``usage.prompt_tokens``
 come from the very same text. Pure: raw JSON values in, frozen turns out; no I/O.
 
 A template renders to ``Turn``s: a fixed ``prefix`` and ``suffix`` (the role markers) around a

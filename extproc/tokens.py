@@ -5,7 +5,7 @@ broken down into text, chat-template overhead, tool definitions (and schemas), i
 
 * ``BpeEstimator`` counts with the model's own ``tokenizers`` tokenizer, rendering chats with the
   very template the server uses (``extproc.templates``), so for text it matches the server's
-  ``usage.prompt_tokens`` exactly (tested against ``extproc.sim``) up to ``EXACT_CHARS`` of text
+  ``usage.prompt_tokens`` exactly (tested against ``llmgw_sim``) up to ``EXACT_CHARS`` of text
   per request. Past that a request's long texts are estimated from sampled windows
   (``SampledCounter``): what a request costs to count stops growing with its prompt.
 * ``FallbackEstimator`` is the heuristic for a model without a tokenizer file.
@@ -69,9 +69,9 @@ class CountingRules:
 
     ``template``: the chat template's name in ``extproc.templates.TEMPLATES``.
     ``image_tokens``: ``"openai-tiles"`` (OpenAI's tile formula by detail and size) or a fixed
-    count per image (a placeholder-style server: ``extproc.sim`` uses 576).
+    count per image (a placeholder-style server: ``llmgw_sim`` uses 576).
     ``audio_tokens``: ``"duration"`` (seconds x ``audio_tokens_per_second``, rounded up) or a fixed
-    count per clip (``extproc.sim`` uses 750).
+    count per clip (``llmgw_sim`` uses 750).
     ``count_response_schema``: whether a ``response_format`` JSON schema is put into the prompt
     (OpenAI structured outputs do; vLLM's guided decoding constrains sampling and adds nothing).
     """
@@ -99,7 +99,7 @@ def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-# The simulated pod (extproc.sim): ChatML, fixed media placeholders (see extproc.templates).
+# The simulated pod (llmgw_sim): ChatML, fixed media placeholders (see extproc.templates).
 SIM_POD_RULES = CountingRules(image_tokens=576, audio_tokens=750)
 
 

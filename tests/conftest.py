@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from extproc.redis_server import RedisServer, redis_binary
+from llmgw_testing.redis_server import RedisServer, redis_binary
 
 
 def _server(tmp_path_factory: pytest.TempPathFactory, name: str, persistent: bool = False) -> Iterator[RedisServer]:

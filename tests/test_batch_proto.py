@@ -18,13 +18,13 @@ from aiohttp.test_utils import TestClient, TestServer
 from extproc.protos import generate as protogen
 from extproc.protos.llmgw.v1 import batch_pb2, batch_pb2_grpc
 from extproc.resources import DEFAULT_TOKENIZER
-from extproc.sim import SIM_POD, SimOptions, SimPod, build_app
-from extproc.sim.batch_protocol import DeltaCursor, batch_problem, item_body
-from extproc.sim.costmodel import CostParams
-from extproc.sim.faults import FaultConfig
-from extproc.sim.generate import OutputPlan
-from extproc.sim.scheduler import SimSequence
-from extproc.sim.tokens import SimTokenizer
+from llmgw_sim import SIM_POD, SimOptions, SimPod, build_app
+from llmgw_sim.batch_protocol import DeltaCursor, batch_problem, item_body
+from llmgw_sim.costmodel import CostParams
+from llmgw_sim.faults import FaultConfig
+from llmgw_sim.generate import OutputPlan
+from llmgw_sim.scheduler import SimSequence
+from llmgw_sim.tokens import SimTokenizer
 from tests.helpers import eventually
 
 REPO = Path(__file__).resolve().parents[1]
@@ -340,7 +340,7 @@ async def test_the_pod_declares_the_protocol_over_http(make_pod: PodFactory, tok
 
 def test_cli_announces_the_port_before_ready() -> None:
     with tempfile.TemporaryFile("w+") as stderr:  # a file: a chatty pod never blocks on a pipe
-        proc = subprocess.Popen([sys.executable, "-m", "extproc.sim", "--port", "0", "--batch-grpc-port", "0",
+        proc = subprocess.Popen([sys.executable, "-m", "llmgw_sim", "--port", "0", "--batch-grpc-port", "0",
                                  "--time-scale", "0"], cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True)
         _check_cli(proc)
 

@@ -16,7 +16,7 @@ from extproc.cache.semantic import Prompt, SemanticIndexes
 from extproc.cache.sharing import PromptSharing, decode, encode
 from extproc.cache.store import CacheBackend, RedisBackend, ResponseCache, SqliteBackend
 from extproc.config import SemanticCacheSpec
-from extproc.redis_server import RedisServer
+from llmgw_testing.redis_server import RedisServer
 from tests.helpers import eventually
 
 SPEC = SemanticCacheSpec(embedder="hashing", threshold=0.9)

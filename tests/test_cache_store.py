@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from extproc.cache.store import ENTRY_PREFIX, CacheBackend, HotKeys, RedisBackend, ResponseCache, SqliteBackend
-from extproc.redis_server import RedisServer
+from llmgw_testing.redis_server import RedisServer
 from tests.helpers import eventually
 
 VALUE = b'{"kind":"chat","model":"m","choices":[],"usage":{}}'

@@ -33,9 +33,9 @@ from extproc import envoyconf
 from extproc.cli import build_parser
 from extproc.config import compile_spec, load_spec
 from extproc.coordinator.server import Coordinator, CoordinatorMetrics, build_app
-from extproc.sim.__main__ import parse_args as sim_args
-from extproc.sim.metrics import SimMetrics
 from extproc.telemetry.metrics import GatewayMetrics
+from llmgw_sim.__main__ import parse_args as sim_args
+from llmgw_sim.metrics import SimMetrics
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "compose"
@@ -212,7 +212,7 @@ def test_python_services_run_the_real_commands_on_their_exposed_ports() -> None:
     assert coordinator.host == "0.0.0.0"
     for pod in ("pod-a", "pod-b"):
         command = service(pod)["command"]
-        assert command[:3] == ["python", "-m", "extproc.sim"]
+        assert command[:3] == ["python", "-m", "llmgw_sim"]
         options = sim_args(command[3:])
         assert options.host == "0.0.0.0" and {options.port} == exposed(pod)
     for name in ("extproc", "coordinator"):
@@ -464,7 +464,7 @@ async def test_the_coordinator_health_check_passes_against_the_coordinator() -> 
 
 
 def test_the_pod_health_check_passes_against_a_simulated_pod() -> None:
-    with _serving([sys.executable, "-m", "extproc.sim", "--port", "0"], "READY http://127.0.0.1:") as port:
+    with _serving([sys.executable, "-m", "llmgw_sim", "--port", "0"], "READY http://127.0.0.1:") as port:
         code = healthcheck_code("pod-a").replace("127.0.0.1:8000", f"127.0.0.1:{port}")
         assert subprocess.run([sys.executable, "-c", code], timeout=30).returncode == 0
 

@@ -425,9 +425,9 @@ async def test_pods_that_speak_the_batch_protocol_get_one_call_with_each_prompts
     from extproc.coordinator.merge import PROTOCOL, protocol_key
     from extproc.coordinator.server import Pending
     from extproc.resources import DEFAULT_TOKENIZER
-    from extproc.sim import SimOptions
-    from extproc.sim import build_app as build_pod
-    from extproc.sim.tokens import SimTokenizer
+    from llmgw_sim import SimOptions
+    from llmgw_sim import build_app as build_pod
+    from llmgw_sim.tokens import SimTokenizer
 
     pod_app = build_pod(SimOptions(time_scale=0.0, batch_grpc_port=0, record=10),
                         SimTokenizer.from_spec(DEFAULT_TOKENIZER))
@@ -479,9 +479,9 @@ async def test_pods_that_speak_the_batch_protocol_get_one_call_with_each_prompts
 async def _protocol_pod(**options: object) -> tuple[TestClient, int]:
     """An in-process simulated pod serving the batch protocol: its HTTP client and its gRPC port."""
     from extproc.resources import DEFAULT_TOKENIZER
-    from extproc.sim import SIM_POD, SimOptions
-    from extproc.sim import build_app as build_pod
-    from extproc.sim.tokens import SimTokenizer
+    from llmgw_sim import SIM_POD, SimOptions
+    from llmgw_sim import build_app as build_pod
+    from llmgw_sim.tokens import SimTokenizer
 
     app = build_pod(SimOptions(time_scale=0.0, batch_grpc_port=0, **options),  # type: ignore[arg-type]
                     SimTokenizer.from_spec(DEFAULT_TOKENIZER))
@@ -524,7 +524,7 @@ async def test_a_pod_gone_from_its_batch_protocol_address_is_asked_again() -> No
 
 async def test_a_silent_batch_protocol_call_fails_like_a_silent_http_call(monkeypatch: pytest.MonkeyPatch) -> None:
     from extproc.coordinator import server
-    from extproc.sim.faults import FaultConfig
+    from llmgw_sim.faults import FaultConfig
 
     monkeypatch.setattr(server, "POD_SILENCE_S", 0.3)
     pod, grpc_port = await _protocol_pod(faults=FaultConfig(hang_rate=1.0))  # accepts calls, never answers

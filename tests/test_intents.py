@@ -30,7 +30,7 @@ from extproc.routing.embedders import (
     gelu,
 )
 from extproc.routing.intents import Intent, IntentIndex, IntentMatch, decide
-from extproc.sim import SimOptions, build_app
+from llmgw_sim import SimOptions, build_app
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -242,7 +242,7 @@ def test_index_is_safe_to_share_between_threads() -> None:
 
 @pytest.fixture(scope="module")
 def sim_url() -> Iterator[str]:
-    """A simulated pod (``extproc.sim``) serving ``embedder`` on an event loop in a thread."""
+    """A simulated pod (``llmgw_sim``) serving ``embedder`` on an event loop in a thread."""
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(build_app(SimOptions(model="embedder", time_scale=0.0, embedding_dim=256)))
     loop.run_until_complete(runner.setup())

@@ -18,7 +18,7 @@ import yaml
 
 from extproc.cli import build_parser
 from extproc.config import compile_spec, load_spec
-from extproc.sim.__main__ import parse_args as sim_args
+from llmgw_sim.__main__ import parse_args as sim_args
 from tests.test_compose import exported_metrics, promql_references
 
 REPO = Path(__file__).resolve().parents[1]
@@ -173,7 +173,7 @@ def command_args(deployment: Doc) -> Any:
     command = pod_spec(deployment)["containers"][0]["command"]
     if command[0] == "llmgw":
         return build_parser().parse_args(command[1:])
-    assert command[:3] == ["python", "-m", "extproc.sim"], command
+    assert command[:3] == ["python", "-m", "llmgw_sim"], command
     return sim_args(command[3:])
 
 

@@ -27,7 +27,7 @@ from extproc.keys import (
     parse_digest_hex,
     parse_log_entry,
 )
-from extproc.redis_server import RedisServer
+from llmgw_testing.redis_server import RedisServer
 from tests.helpers import eventually
 
 KEY_A, KEY_B, KEY_C = "sk-team-a-1", "sk-team-b-1", "sk-team-c-1"

@@ -32,8 +32,8 @@ from extproc.routing.podstate import (
     parse_metrics,
     parse_models,
 )
-from extproc.sim import SimOptions, build_app
-from extproc.sim.tokens import SimTokenizer
+from llmgw_sim import SimOptions, build_app
+from llmgw_sim.tokens import SimTokenizer
 from tests.helpers import eventually
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,9 +17,6 @@ from tokenizers import Tokenizer
 
 from extproc.api import Operation, ParsedRequest, parse_request
 from extproc.resources import DEFAULT_TOKENIZER, resolve_resource
-from extproc.sim import SimOptions, build_app
-from extproc.sim.options import DEFAULT_MODEL
-from extproc.sim.tokens import SimTokenizer
 from extproc.templates import AUDIO_PLACEHOLDER_TOKENS, IMAGE_PLACEHOLDER_TOKENS, Media
 from extproc.tokens import (
     SIM_POD_RULES,
@@ -38,6 +35,9 @@ from extproc.tokens import (
     openai_tile_tokens,
     wav_duration,
 )
+from llmgw_sim import SimOptions, build_app
+from llmgw_sim.options import DEFAULT_MODEL
+from llmgw_sim.tokens import SimTokenizer
 
 # ---------------------------------------------------------------------------------------------
 # Fixtures

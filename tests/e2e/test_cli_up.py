@@ -194,7 +194,7 @@ def test_up_restarts_a_killed_pod_on_its_address(up: Up) -> None:
     assert key is not None
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{up.port}/v1", api_key=key.group(1), max_retries=0)
     assert client.models.list().data
-    pods = [pid for pid in children_of(up.proc.pid) if "extproc.sim" in cmdline(pid)]
+    pods = [pid for pid in children_of(up.proc.pid) if "llmgw_sim" in cmdline(pid)]
     assert len(pods) == 2
     victim = pods[0]
     argv = cmdline(victim)

@@ -197,7 +197,7 @@ def test_deep_json_is_a_400_and_leaks_no_slot(stack: tuple[StackInfo, LocalStack
 
 def _start_sim(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     """A simulated pod this test owns (not supervised by the stack, so it stays dead when killed)."""
-    proc = subprocess.Popen([sys.executable, "-m", "extproc.sim", "--host", "127.0.0.1", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "llmgw_sim", "--host", "127.0.0.1", "--port", "0",
                              "--model", MODEL], stdout=subprocess.PIPE, stderr=open(tmp / "own-pod.log", "ab"))
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()

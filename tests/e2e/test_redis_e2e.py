@@ -15,7 +15,7 @@ from redis import Redis
 
 from extproc.launcher import StackInfo
 from extproc.ledger import UsageRecord, totals
-from extproc.redis_server import RedisServer, redis_binary
+from llmgw_testing.redis_server import RedisServer, redis_binary
 from tests.e2e.conftest import MODEL, small_stack
 
 KEY = "sk-redis-e2e"

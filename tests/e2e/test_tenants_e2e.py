@@ -22,7 +22,7 @@ import pytest
 from redis import Redis
 
 from extproc.launcher import StackInfo
-from extproc.redis_server import RedisServer, redis_binary
+from llmgw_testing.redis_server import RedisServer, redis_binary
 from tests.e2e.conftest import MODEL, BackgroundStream, small_stack
 from tests.helpers import wait_for
 

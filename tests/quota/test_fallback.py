@@ -13,7 +13,7 @@ from extproc.quota.limits import Admission, Limits, Quota
 from extproc.quota.memory import MemoryStore
 from extproc.quota.redis_store import RedisStore
 from extproc.quota.store import StoreUnavailable
-from extproc.redis_server import RedisServer
+from llmgw_testing.redis_server import RedisServer
 
 QUOTA = Quota(Limits(rpm=10, concurrency=10))
 

@@ -9,7 +9,7 @@ import pytest
 import uvloop
 
 from extproc.quota.resp import PipelinedConnection, RedisReplyError
-from extproc.redis_server import RedisServer
+from llmgw_testing.redis_server import RedisServer
 
 
 async def test_many_concurrent_callers_each_get_their_own_reply(redis_server: RedisServer) -> None:

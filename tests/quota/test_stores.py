@@ -14,7 +14,7 @@ from redis.crc import key_slot
 from extproc.quota.limits import DAY_MS, Admission, Decision, Lease, LimitKind, Limits, Quota, month_of
 from extproc.quota.redis_store import _PRELUDE, RedisStore
 from extproc.quota.store import QuotaStore
-from extproc.redis_server import RedisServer
+from llmgw_testing.redis_server import RedisServer
 from tests.quota.workers import Job, open_store, run_processes
 
 MakeStore = Callable[..., QuotaStore]

@@ -8,8 +8,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from extproc.resources import DEFAULT_TOKENIZER
-from extproc.sim import SimOptions, build_app
-from extproc.sim.tokens import SimTokenizer
+from llmgw_sim import SimOptions, build_app
+from llmgw_sim.tokens import SimTokenizer
 
 ClientFactory = Callable[..., Awaitable[TestClient]]
 

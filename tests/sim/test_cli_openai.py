@@ -1,4 +1,4 @@
-"""``python -m extproc.sim`` as a real process, driven by the official ``openai`` client."""
+"""``python -m llmgw_sim`` as a real process, driven by the official ``openai`` client."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def start_sim(*flags: str, ready: str = "READY ") -> tuple[subprocess.Popen[str]
     ``ready="BATCH-GRPC "``); returns (process, the line's address)."""
     stderr = tempfile.TemporaryFile("w+")  # a file, so a chatty pod can never block on a pipe
     proc = subprocess.Popen(
-        [sys.executable, "-m", "extproc.sim", "--port", "0", "--model", MODEL, *flags],
+        [sys.executable, "-m", "llmgw_sim", "--port", "0", "--model", MODEL, *flags],
         cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True,
     )
     assert proc.stdout is not None
@@ -164,7 +164,7 @@ def test_die_after_tokens_cuts_a_batch_protocol_call() -> None:
 
 def test_bad_flag_exits_2() -> None:
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "extproc.sim", "--error-rate", "2"],
+    result = subprocess.run([sys.executable, "-m", "llmgw_sim", "--error-rate", "2"],
                             cwd=REPO, capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and "error_rate" in result.stderr
     assert time.monotonic() - started < 30

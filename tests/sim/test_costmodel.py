@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.sim.costmodel import CostParams
+from llmgw_sim.costmodel import CostParams
 
 PARAMS = CostParams(decode_base_s=0.010, decode_per_seq_s=0.001, prefill_per_token_s=0.0001,
                     kv_cache_tokens=1000, block_size=16)

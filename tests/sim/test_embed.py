@@ -9,7 +9,7 @@ import struct
 import orjson
 import pytest
 
-from extproc.sim.embed import embed, to_base64, truncate
+from llmgw_sim.embed import embed, to_base64, truncate
 from tests.sim.conftest import ClientFactory
 
 MODEL = "llama-3-8b-instruct"

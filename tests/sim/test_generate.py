@@ -7,14 +7,14 @@ import statistics
 
 import pytest
 
-from extproc.sim.generate import (
+from llmgw_sim.generate import (
     LengthModel,
     SamplingParams,
     choice_seed,
     plan_output,
     prompt_key,
 )
-from extproc.sim.tokens import SimTokenizer
+from llmgw_sim.tokens import SimTokenizer
 
 LENGTHS = LengthModel(mean=50, sigma=1.0)
 PROMPT = prompt_key([1, 2, 3])

@@ -10,8 +10,8 @@ import pytest
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient
 
-from extproc.sim.costmodel import CostParams
-from extproc.sim.faults import FaultConfig
+from llmgw_sim.costmodel import CostParams
+from llmgw_sim.faults import FaultConfig
 from tests.sim.conftest import ClientFactory
 
 MODEL = "llama-3-8b-instruct"

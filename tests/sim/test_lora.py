@@ -12,11 +12,11 @@ import pytest
 from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.sim import SimOptions
-from extproc.sim.__main__ import parse_args
-from extproc.sim.costmodel import CostParams
-from extproc.sim.prefix_cache import block_hashes
-from extproc.sim.scheduler import SimSequence, make_scheduler
+from llmgw_sim import SimOptions
+from llmgw_sim.__main__ import parse_args
+from llmgw_sim.costmodel import CostParams
+from llmgw_sim.prefix_cache import block_hashes
+from llmgw_sim.scheduler import SimSequence, make_scheduler
 from tests.sim.conftest import ClientFactory
 
 BASE = "llama-3-8b-instruct"

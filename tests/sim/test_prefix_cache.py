@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.sim.prefix_cache import KVBlockPool, block_hashes
+from llmgw_sim.prefix_cache import KVBlockPool, block_hashes
 
 BS = 4
 

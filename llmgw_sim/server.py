@@ -24,15 +24,15 @@ from typing import Literal
 import orjson
 from aiohttp import web
 
-from extproc.sim import responses
-from extproc.sim.embed import embed, to_base64, truncate
-from extproc.sim.engine import RequestTracker, SimEngine
-from extproc.sim.faults import ERROR_TYPES, FaultConfig, FaultInjector
-from extproc.sim.generate import OutputPlan, SamplingParams, choice_seed, plan_output, prompt_key
-from extproc.sim.metrics import METRICS_CONTENT_TYPE, SimMetrics
-from extproc.sim.options import SimOptions
-from extproc.sim.prefix_cache import block_hashes
-from extproc.sim.protocol import (
+from llmgw_sim import responses
+from llmgw_sim.embed import embed, to_base64, truncate
+from llmgw_sim.engine import RequestTracker, SimEngine
+from llmgw_sim.faults import ERROR_TYPES, FaultConfig, FaultInjector
+from llmgw_sim.generate import OutputPlan, SamplingParams, choice_seed, plan_output, prompt_key
+from llmgw_sim.metrics import METRICS_CONTENT_TYPE, SimMetrics
+from llmgw_sim.options import SimOptions
+from llmgw_sim.prefix_cache import block_hashes
+from llmgw_sim.protocol import (
     ChatPrompt,
     Endpoint,
     GenerationRequest,
@@ -42,8 +42,8 @@ from extproc.sim.protocol import (
     parse_embedding,
     parse_generation,
 )
-from extproc.sim.scheduler import Scheduler, SimSequence, StepResult, make_scheduler
-from extproc.sim.tokens import SimTokenizer
+from llmgw_sim.scheduler import Scheduler, SimSequence, StepResult, make_scheduler
+from llmgw_sim.tokens import SimTokenizer
 
 REQUEST_ID_HEADER = "x-request-id"
 Operation = Literal["chat", "completion", "embedding"]
@@ -552,7 +552,7 @@ def build_app(options: SimOptions, tokenizer: SimTokenizer | None = None,
     pod.add_routes(app)
     if options.batch_grpc_port is not None:
         # Imported here: a pod without the batch protocol needs neither grpc nor its stubs.
-        from extproc.sim.batch_grpc import serve_batch_grpc
+        from llmgw_sim.batch_grpc import serve_batch_grpc
 
         # After the engine's context, so it stops first (cleanup runs in reverse order).
         app.cleanup_ctx.append(lambda _app: serve_batch_grpc(pod))

@@ -34,8 +34,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from extproc.sim.costmodel import CostParams
-from extproc.sim.prefix_cache import KVAllocation, KVBlockPool
+from llmgw_sim.costmodel import CostParams
+from llmgw_sim.prefix_cache import KVAllocation, KVBlockPool
 
 EngineKind = Literal["continuous", "dynamic", "static"]
 ENGINE_KINDS: tuple[EngineKind, ...] = ("continuous", "dynamic", "static")

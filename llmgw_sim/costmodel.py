@@ -3,7 +3,7 @@
 The simulated pod is a 7-8B dense model (Llama-3-8B class, BF16) on one A100-80GB under vLLM.
 A step's time is ``decode_base + decode_per_seq * batch_size + prefill_per_token * new_tokens``,
 where ``new_tokens`` are the prompt tokens prefilled in that step that the prefix cache did not
-already hold. Every default below names where it comes from (see also ``extproc/sim/README.md``):
+already hold. Every default below names where it comes from (see also ``llmgw_sim/README.md``):
 
 * ``decode_base_s = 12 ms``: a decode step must stream all weights once. Llama-3-8B in BF16 is
   ~16 GB; A100-80GB SXM HBM2e moves 2.04 TB/s (NVIDIA A100 datasheet), so the roofline floor is

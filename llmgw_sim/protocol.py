@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from extproc.sim.template import Segment, TemplateError, render_chat
+from llmgw_sim.template import Segment, TemplateError, render_chat
 
 Endpoint = Literal["chat", "completion"]
 EncodingFormat = Literal["float", "base64"]

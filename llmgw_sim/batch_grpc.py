@@ -21,19 +21,19 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from extproc.protos.llmgw.v1 import batch_pb2, batch_pb2_grpc
-from extproc.sim.batch_protocol import (
+from llmgw_sim.batch_protocol import (
     GENERATE_METHOD,
     DeltaCursor,
     batch_problem,
     error_delta,
     item_body,
 )
-from extproc.sim.engine import RequestTracker
-from extproc.sim.generate import OutputPlan
-from extproc.sim.scheduler import SimSequence
-from extproc.sim.server import RequestError, SimPod
+from llmgw_sim.engine import RequestTracker
+from llmgw_sim.generate import OutputPlan
+from llmgw_sim.scheduler import SimSequence
+from llmgw_sim.server import RequestError, SimPod
 
-log = logging.getLogger("extproc.sim.batch")
+log = logging.getLogger("llmgw_sim.batch")
 _FAULT_CODES = {500: grpc.StatusCode.INTERNAL, 503: grpc.StatusCode.UNAVAILABLE}
 _STOP_GRACE_S = 1.0  # as the HTTP server's shutdown timeout
 # A batch may carry as many prompts as one HTTP body (aiohttp client_max_size in server.build_app).

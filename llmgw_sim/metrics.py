@@ -25,7 +25,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from extproc.sim.scheduler import Scheduler, StepResult
+from llmgw_sim.scheduler import Scheduler, StepResult
 
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LABELS = ("model_name", "engine")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from extproc.resources import resolve_resource
-from extproc.sim.template import Placeholder, Segment
+from llmgw_sim.template import Placeholder, Segment
 
 NUM_WORD_TOKENS = 2000
 NUM_OPENING_TOKENS = 200

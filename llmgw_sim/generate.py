@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from extproc.sim.tokens import WordTable
+from llmgw_sim.tokens import WordTable
 
 FinishReason = Literal["stop", "length"]
 

@@ -1,4 +1,4 @@
-"""``python -m extproc.sim``: run one simulated vLLM pod until SIGTERM/SIGINT.
+"""``python -m llmgw_sim``: run one simulated vLLM pod until SIGTERM/SIGINT.
 
 Once listening it prints ``READY http://HOST:PORT`` and flushes stdout (launchers wait for
 it); with ``--batch-grpc-port``, the line ``BATCH-GRPC HOST:PORT`` comes just before it. ``--port 0``
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from extproc.resources import DEFAULT_TOKENIZER
-from extproc.sim.costmodel import (
+from llmgw_sim.costmodel import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_DECODE_BASE_S,
     DEFAULT_DECODE_PER_SEQ_S,
@@ -28,20 +28,20 @@ from extproc.sim.costmodel import (
     DEFAULT_PREFILL_PER_TOKEN_S,
     CostParams,
 )
-from extproc.sim.embed import DEFAULT_EMBEDDING_DIM
-from extproc.sim.faults import FaultConfig
-from extproc.sim.generate import DEFAULT_OUTPUT_LEN_MEAN, DEFAULT_OUTPUT_LEN_SIGMA, LengthModel
-from extproc.sim.options import DEFAULT_MODEL, SimOptions
-from extproc.sim.scheduler import ENGINE_KINDS
-from extproc.sim.server import SIM_POD, build_app
+from llmgw_sim.embed import DEFAULT_EMBEDDING_DIM
+from llmgw_sim.faults import FaultConfig
+from llmgw_sim.generate import DEFAULT_OUTPUT_LEN_MEAN, DEFAULT_OUTPUT_LEN_SIGMA, LengthModel
+from llmgw_sim.options import DEFAULT_MODEL, SimOptions
+from llmgw_sim.scheduler import ENGINE_KINDS
+from llmgw_sim.server import SIM_POD, build_app
 
 _SHUTDOWN_TIMEOUT_S = 1.0
-log = logging.getLogger("extproc.sim")
+log = logging.getLogger("llmgw_sim")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> SimOptions:
     """Command-line flags -> ``SimOptions`` (argparse errors exit with status 2)."""
-    p = argparse.ArgumentParser(prog="python -m extproc.sim",
+    p = argparse.ArgumentParser(prog="python -m llmgw_sim",
                                 description="A simulated vLLM pod (OpenAI-compatible API, no GPU).")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
