@@ -1,4 +1,5 @@
-"""The endpoint picker's plugins (filters, scorers), the prefix index, and QoS shedding (no network)."""
+"""The endpoint picker's plugins (filters, scorers) and the prefix index, with no network (QoS shedding:
+tests/stages/test_resolution.py)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,9 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
-import pytest
-
-from extproc.config import PickerSpec, Pool, WeightsSpec
+from extproc.config import PickerSpec, WeightsSpec
 from extproc.routing.picker import Picker, PickRequest
 from extproc.routing.prefix import PrefixIndex, block_hashes, prefix_hashes
-from extproc.stages.resolution import shed
 
 PODS = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")
 A, B, C = PODS
@@ -186,30 +184,3 @@ def test_fallback_is_the_best_other_pod() -> None:
     request = PickRequest(picker=only(queue=1))
     assert p.fallback(PODS, A, request) == B
     assert p.fallback((A,), A, request) is None
-
-
-# -- QoS shedding ------------------------------------------------------------------------------------
-
-SHED_POOL = Pool("gpu", PODS, shed=(("batch", 2.0), ("default", 8.0), ("realtime", 32.0)))
-
-
-@pytest.mark.parametrize(("waiting", "refused"), [
-    (1.0, set()),
-    (4.0, {"batch"}),
-    (12.0, {"batch", "balanced", ""}),
-    (40.0, {"batch", "balanced", "", "realtime"}),
-])
-def test_shedding_refuses_batch_first_then_the_default_class_then_realtime(waiting: float, refused: set[str]) -> None:
-    states = picker({pod: Pod(waiting=waiting) for pod in PODS}).states
-    refusing = {qos for qos in ("batch", "balanced", "", "realtime") if shed(states, SHED_POOL, qos) is not None}
-    assert refusing == refused
-    if refused:
-        error = shed(states, SHED_POOL, "batch")
-        assert error is not None and error.status == 429 and error.code == "pool_overloaded"
-
-
-def test_shedding_uses_known_pods_only_and_sheds_nothing_when_none_is_known() -> None:
-    states = picker({A: Pod(waiting=10)}).states  # B, C unknown: mean over A alone
-    assert shed(states, SHED_POOL, "batch") is not None
-    assert shed(picker().states, SHED_POOL, "batch") is None
-    assert shed(states, Pool("free", PODS), "batch") is None  # no depths configured
