@@ -40,8 +40,8 @@ from redis import exceptions as redis_errors
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from extproc.config import _NAME as TENANT_NAME  # the config's own rule for tenant names
 from extproc.config import hash_key
+from extproc.config.schema import _NAME as TENANT_NAME  # the config's own rule for tenant names
 
 log = logging.getLogger("llmgw.keys")
 
