@@ -119,7 +119,7 @@ def context_digest(path: str, raw: Mapping[str, object]) -> tuple[str, bytes | N
 
 
 @dataclass(frozen=True, slots=True)
-class IntentRoute:
+class SemanticRouting:
     """Semantic routing's settings as the body analysis needs them (``intents:`` in the config)."""
 
     model_name: str  # the model name a client sends to ask for it ("auto")
@@ -137,7 +137,7 @@ class Routing:
     tenant_tags: tuple[tuple[str, str], ...] = ()
     qos: str = ""
     prefix_blocks: tuple[int, int] = (0, 0)  # (block_chars, max_blocks) to hash; (0, 0): none
-    intents: IntentRoute | None = None  # semantic routing, when configured
+    intents: SemanticRouting | None = None  # semantic routing, when configured
 
 
 NO_RULES = Routing()

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from extproc import ledger
+from extproc.cli_keys import add_keys_commands
 from extproc.config import (
     LEDGER_PATH_ENV,
     QUOTA_PATH_ENV,
@@ -29,7 +30,7 @@ from extproc.config import (
     load_spec,
 )
 from extproc.envoybuild.names import TARGET_NAMES
-from extproc.keys import add_keys_commands, new_api_key
+from extproc.keys import new_api_key
 from extproc.launcher import (
     ChildFailed,
     LocalStack,
@@ -402,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("--tenant", default="my-team")
     keygen.set_defaults(handler=cmd_keygen)
 
-    add_keys_commands(commands)  # llmgw keys add|revoke|list: keys in Redis (extproc/keys.py)
+    add_keys_commands(commands)  # llmgw keys add|revoke|list: keys in Redis (extproc/cli_keys.py)
 
     usage = commands.add_parser("usage", help="usage and cost totals per tenant and model, from the ledger")
     usage.add_argument("--tenant", default=None)

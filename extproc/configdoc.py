@@ -1,6 +1,6 @@
 """The configuration reference (``docs/configuration.md``), generated from the config models.
 
-Every section is one model of ``extproc.config``, reached from ``GatewaySpec`` (the whole YAML
+Every section is one model of ``extproc.config.schema``, reached from ``GatewaySpec`` (the whole YAML
 document) in the order its fields name them: the model's docstring, then a table of its fields
 with their YAML path, type, default, bounds and what they mean. What a field means is read from
 the comments beside it in the source (on its line, or the comment lines just above it), so the
@@ -23,12 +23,12 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from extproc import config as config_module
-from extproc.config import GatewaySpec
+from extproc.config import schema as schema_module
+from extproc.config.schema import GatewaySpec
 
 HEADER = """# Configuration reference
 
-Generated from the config models (`extproc/config.py`) by `llmgw config-reference`; a test fails
+Generated from the config models (`extproc/config/schema.py`) by `llmgw config-reference`; a test fails
 when this file is stale. The YAML document is strict: an unknown field, a wrong type (no
 coercion: `"5"` is not `5`) or a value out of bounds is refused at load, with an error that names
 the field (`models[2].cache.ttl_s: ...`). Values may come from the environment where a field says
@@ -126,7 +126,7 @@ def reference() -> str:
         model = models[done]
         done += 1
         notes = comments(model)
-        hints = typing.get_type_hints(model, globalns=vars(config_module), include_extras=True)
+        hints = typing.get_type_hints(model, globalns=vars(schema_module), include_extras=True)
         doc = inspect.cleandoc(model.__doc__ or "").replace("``", "`")
         rows = []
         for name, field in model.model_fields.items():
@@ -145,10 +145,10 @@ def models_documented() -> set[str]:
 
 
 def all_spec_models() -> set[str]:
-    """Every ``*Spec`` model of ``extproc.config`` (each should be reachable from the document)."""
-    return {name for name, value in vars(config_module).items()
+    """Every ``*Spec`` model of ``extproc.config.schema`` (each should be reachable from the document)."""
+    return {name for name, value in vars(schema_module).items()
             if isinstance(value, type) and issubclass(value, BaseModel) and name.endswith("Spec")
-            and value.__module__ == config_module.__name__}
+            and value.__module__ == schema_module.__name__}
 
 
 def main(argv: list[str] | None = None) -> int:

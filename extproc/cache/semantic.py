@@ -84,6 +84,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from extproc.cjk import CJK as _CJK
+from extproc.cjk import CJK_CHAR as _CJK_CHAR
 from extproc.routing.embedders import Embedder
 
 T = TypeVar("T")
@@ -427,8 +429,6 @@ _ARTICLES = frozenset({"a", "an", "un", "une", "uno", "una", "ein", "eine", "ein
 _FUNCTION_CHARS = frozenset("的了吗呢吧啊是在有我你他她它们这那个请问一下什么怎如何哪里能可以要想给把被和与及或")
 _SMALL_EDIT = 3  # words on each side: a longer rewrite of one stretch is a rewording, not a swapped detail
 
-_CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af"
-_CJK_CHAR = re.compile(f"[{_CJK}]")
 _TOKEN = re.compile(rf"[{_CJK}]+|\d+(?:[.,]\d+)*|[^\W\d_{_CJK}]+(?:['’][^\W\d_{_CJK}]+)*|[^\w\s]")
 _ELISION = re.compile(r"^(l|d|n|qu|j|c|s|m|t)['’](.+)$")  # French: l'anglais -> l' anglais
 _LANGUAGE_SYMBOLS = ((re.compile(r"\bc\+\+"), " cpp "), (re.compile(r"\bc#"), " csharp "),

