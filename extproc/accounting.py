@@ -35,7 +35,7 @@ OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completio
 
 
 @dataclass(frozen=True, slots=True)
-class Phase:
+class PhaseTiming:
     """One step of the gateway's decision, timed (the span's events)."""
 
     name: str  # auth, tokens, quota, route
@@ -69,7 +69,7 @@ class Decision:
     parent_span_id: str = ""  # the client's span, if it sent a traceparent
     sampled: bool = False
     lease: Lease | None = None
-    phases: tuple[Phase, ...] = ()
+    phases: tuple[PhaseTiming, ...] = ()
     intent: str = ""  # semantic routing's intent ("default": none matched)
     score: float | None = None  # its cosine similarity
     cache: str = ""  # the response cache's answer: hit, miss (the pod's answer is stored), "" (not cacheable)
@@ -172,11 +172,11 @@ def _lease(data: object) -> Lease | None:
                  reserved_cost=_int(data.get("cost", 0)), holds_slot=bool(data.get("slot", True)))
 
 
-def _phases(text: str, started_ns: int) -> list[Phase]:
+def _phases(text: str, started_ns: int) -> list[PhaseTiming]:
     out = []
     for item in filter(None, text.split(",")):
         name, start, duration = item.split(":")
-        out.append(Phase(name, started_ns + int(start) * 1000, int(duration) * 1000))
+        out.append(PhaseTiming(name, started_ns + int(start) * 1000, int(duration) * 1000))
     return out
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from extproc.accounting import CACHE_HIT, CACHE_MISS, CACHE_STALE, Decision, Phase
+from extproc.accounting import CACHE_HIT, CACHE_MISS, CACHE_STALE, Decision, PhaseTiming
 from extproc.api import ApiError, Operation
 from extproc.body import BodyFacts
 from extproc.config import Model, Pool, Tenant
@@ -46,7 +46,7 @@ class RequestState:
     cache_key: bytes | None = None  # the response cache's key of a cacheable request
     cached: bytes | None = None  # the stored answer a hit was answered with
     cache_stale: bool = False  # ... a stale one, as no pool could serve the request
-    phases: list[Phase] = field(default_factory=list)
+    phases: list[PhaseTiming] = field(default_factory=list)
     _origin: int = 0  # perf_counter_ns at started_ns
     _phase_start: int = 0  # perf_counter_ns at the start of the phase being timed
 
@@ -91,7 +91,7 @@ class RequestState:
         """Record the phase begun last, on the request's wall clock."""
         now = time.perf_counter_ns()
         offset = self._phase_start - self._origin
-        self.phases.append(Phase(name, self.started_ns + offset, now - self._phase_start))
+        self.phases.append(PhaseTiming(name, self.started_ns + offset, now - self._phase_start))
         self._phase_start = now
 
 

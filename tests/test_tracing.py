@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 from opentelemetry.trace import SpanKind, StatusCode
 
-from extproc.accounting import Decision, Phase, RequestRecord, ResponseFacts, Usage, build_record, rejection
+from extproc.accounting import Decision, PhaseTiming, RequestRecord, ResponseFacts, Usage, build_record, rejection
 from extproc.config import ConfigError, GatewaySpec, parse_config
 from extproc.pricing import Prices
 from extproc.telemetry.tracecontext import (
@@ -106,7 +106,7 @@ def _decision(**changes: object) -> Decision:
         served_model="meta-llama/Llama-3-8B", model_version="2024-06", pool="gpu-a", endpoint="10.0.0.7:8000",
         rule="model", stream=True, input_tokens=12, max_tokens=256, tenant="acme", qos="interactive",
         trace_id=TRACE_ID, span_id=SPAN_ID, parent_span_id=CLIENT_SPAN_ID, sampled=True,
-        phases=(Phase("auth", T0 + 10_000, 20_000), Phase("route", T0 + 40_000, 1_500_000)))
+        phases=(PhaseTiming("auth", T0 + 10_000, 20_000), PhaseTiming("route", T0 + 40_000, 1_500_000)))
     return replace(decision, **changes)
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from extproc.quota.limits import Admission, Decision, Lease, Quota
+from extproc.quota.limits import Admission, Lease, Quota, Verdict
 from extproc.quota.store import QuotaStore, StoreUnavailable
 
 log = logging.getLogger("llmgw.quota")
@@ -71,7 +71,7 @@ class FallbackStore:
             log.warning("quota store %s is back after %d local admissions", self.primary.name,
                         self.stats.local_admissions)
 
-    async def admit(self, admission: Admission, quota: Quota) -> Decision:
+    async def admit(self, admission: Admission, quota: Quota) -> Verdict:
         """See ``QuotaStore.admit``; raises ``StoreUnavailable`` only in ``fail_closed`` mode."""
         if self._clock() >= self._down_until:
             try:

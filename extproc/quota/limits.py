@@ -160,7 +160,7 @@ class Lease:
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class Verdict:
     """The answer to an ``Admission``: admitted (with a lease), or refused with the limit and a wait.
 
     ``retry_after_ms`` is ``None`` when waiting cannot help: the request alone exceeds a limit.
@@ -306,7 +306,7 @@ class ScopeState:
 
 
 @dataclass(frozen=True, slots=True)
-class Verdict:
+class Ruling:
     """The decision for all scopes, before the store attaches a lease."""
 
     admitted: bool
@@ -317,7 +317,7 @@ class Verdict:
 
 
 def decide(scopes: Sequence[tuple[str, Limits, ScopeState]], reserve: int, now_ms: int,
-           reserve_cost: int = 0) -> Verdict:
+           reserve_cost: int = 0) -> Ruling:
     """Admit only if every limit of every scope takes one request, ``reserve`` tokens and
     ``reserve_cost`` micro-dollars.
 
@@ -339,9 +339,9 @@ def decide(scopes: Sequence[tuple[str, Limits, ScopeState]], reserve: int, now_m
     figures = tuple(Figure(scope, kind, limit, max(limit - check.used - (need if admitted else 0), 0),
                            check.reset_ms) for scope, kind, limit, check, need in checked)
     if admitted:
-        return Verdict(True, figures)
+        return Ruling(True, figures)
     wait, scope, kind = max(refusals, key=lambda refusal: refusal[0])
-    return Verdict(False, figures, kind, scope, None if wait == math.inf else int(wait))
+    return Ruling(False, figures, kind, scope, None if wait == math.inf else int(wait))
 
 
 def _check(kind: LimitKind, limit: int, state: ScopeState, reserve: int, cost: int, now_ms: int

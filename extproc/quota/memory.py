@@ -19,10 +19,10 @@ from pathlib import Path
 from extproc.quota.limits import (
     SPAN,
     Admission,
-    Decision,
     Lease,
     Quota,
     ScopeState,
+    Verdict,
     bucket_of,
     day_of,
     decide,
@@ -114,7 +114,7 @@ class MemoryStore:
     def _transaction(self) -> _Transaction:
         return _Transaction(self._db)
 
-    async def admit(self, admission: Admission, quota: Quota) -> Decision:
+    async def admit(self, admission: Admission, quota: Quota) -> Verdict:
         """See ``QuotaStore.admit``."""
         db, tenant = self._db, admission.tenant
         with self._transaction():
@@ -153,7 +153,7 @@ class MemoryStore:
             cost = admission.reserve_cost
             verdict = decide(scopes, admission.reserve_tokens, now, cost)
             if not verdict.admitted:
-                return Decision(False, verdict.figures, verdict.refused_by, verdict.refused_scope,
+                return Verdict(False, verdict.figures, verdict.refused_by, verdict.refused_scope,
                                 verdict.retry_after_ms)
             expires = now + self.lease_ttl_ms
             bucket = bucket_of(now)
@@ -171,7 +171,7 @@ class MemoryStore:
                        (tenant, admission.lease_id, admission.reserve_tokens, expires, cost))
         lease = Lease(tenant, admission.qos, admission.lease_id, admission.reserve_tokens, now, expires, self.name,
                       reserved_cost=cost)
-        return Decision(True, verdict.figures, lease=lease)
+        return Verdict(True, verdict.figures, lease=lease)
 
     def _sweep(self, now: int) -> None:
         # Per-tenant purges run on admissions; this catches tenants that went quiet.

@@ -27,12 +27,12 @@ from redis import exceptions as redis_errors
 
 from extproc.quota.limits import (
     Admission,
-    Decision,
     Figure,
     Lease,
     LimitKind,
     Limits,
     Quota,
+    Verdict,
     scopes_of,
 )
 from extproc.quota.resp import PipelinedConnection, RedisReplyError
@@ -393,7 +393,7 @@ class RedisStore:
         except OUTAGE_ERRORS as error:
             raise StoreUnavailable(f"redis: {type(error).__name__}: {error}") from error
 
-    async def admit(self, admission: Admission, quota: Quota) -> Decision:
+    async def admit(self, admission: Admission, quota: Quota) -> Verdict:
         """See ``QuotaStore.admit``."""
         scopes = scopes_of(quota, admission.qos)
         args: list[str | int] = [admission.lease_id, admission.reserve_tokens, self.lease_ttl_ms,
@@ -411,11 +411,11 @@ class RedisStore:
                 if raw[at] >= 0:
                     figures.append(Figure(scope_name, limit_kind, raw[at], raw[at + 1], raw[at + 2]))
         if not admitted:
-            return Decision(False, tuple(figures), LimitKind(kind), scopes[scope - 1][0],
+            return Verdict(False, tuple(figures), LimitKind(kind), scopes[scope - 1][0],
                             None if retry < 0 else retry)
         lease = Lease(admission.tenant, admission.qos, admission.lease_id, admission.reserve_tokens,
                       now, now + self.lease_ttl_ms, self.name, admission.reserve_cost, _holds_slot(scopes))
-        return Decision(True, tuple(figures), lease=lease)
+        return Verdict(True, tuple(figures), lease=lease)
 
     async def _settle(self, lease: Lease, actual_tokens: int | None, actual_cost: int | None, free: bool) -> None:
         args: list[str | int] = [lease.lease_id, -1 if actual_tokens is None else actual_tokens,

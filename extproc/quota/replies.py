@@ -4,8 +4,7 @@ and when to retry, or a 402 ``insufficient_quota`` for a spent budget. Pure."""
 from __future__ import annotations
 
 from extproc.api import ApiError
-from extproc.quota.limits import Decision as Verdict
-from extproc.quota.limits import LimitKind, format_duration
+from extproc.quota.limits import LimitKind, Verdict, format_duration
 
 _LIMIT_NAMES = {
     LimitKind.REQUESTS: "requests per minute (rpm)",

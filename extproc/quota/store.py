@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from extproc.quota.limits import Admission, Decision, Lease, Quota
+from extproc.quota.limits import Admission, Lease, Quota, Verdict
 
 
 class StoreUnavailable(Exception):
@@ -23,7 +23,7 @@ class QuotaStore(Protocol):
 
     name: str
 
-    async def admit(self, admission: Admission, quota: Quota) -> Decision:
+    async def admit(self, admission: Admission, quota: Quota) -> Verdict:
         """Admit ``admission`` under every limit of ``quota``, charging all of them, or none."""
         ...
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from extproc.accounting import micro_dollars
 from extproc.predict import OutputLengthPredictor
-from extproc.quota.limits import UNLIMITED, Admission
-from extproc.quota.limits import Decision as QuotaVerdict
+from extproc.quota.limits import UNLIMITED, Admission, Verdict
 from extproc.quota.replies import UNAVAILABLE, refusal
 from extproc.quota.store import StoreUnavailable
 from extproc.state import RequestState
@@ -39,7 +38,7 @@ class Admissions:
                               reserve_tokens=state.reserved_tokens, reserve_cost=state.reserved_cost)
         return Admit(admission, quota)
 
-    def admitted(self, state: RequestState, verdict: QuotaVerdict | StoreUnavailable) -> Reply | None:
+    def admitted(self, state: RequestState, verdict: Verdict | StoreUnavailable) -> Reply | None:
         """The quota store's verdict: None (admitted, the lease held): on to the cache; else the
         refusal naming the limit."""
         if isinstance(verdict, StoreUnavailable):

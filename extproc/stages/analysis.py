@@ -9,7 +9,7 @@ from pathlib import Path
 
 from extproc import validation
 from extproc.api import ApiError
-from extproc.body import NO_RULES, Analysis, BodyLimits, SemanticRouting, Routing, analyze, with_model
+from extproc.body import NO_RULES, Analysis, BodyLimits, Routing, SemanticRouting, analyze, with_model
 from extproc.config import GatewayConfig
 from extproc.routing.intents import IntentMatch
 from extproc.state import RequestState

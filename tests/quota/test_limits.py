@@ -9,12 +9,12 @@ import pytest
 from extproc.quota.limits import (
     Admission,
     Check,
-    Decision,
     Figure,
     LimitKind,
     Limits,
     Quota,
     ScopeState,
+    Verdict,
     check_day,
     check_leases,
     check_window,
@@ -144,7 +144,7 @@ def test_format_duration(ms: int, text: str) -> None:
 
 
 def test_headers() -> None:
-    decision = Decision(False, (
+    decision = Verdict(False, (
         Figure("tenant", LimitKind.REQUESTS, 100, 40, 2000),
         Figure("qos", LimitKind.REQUESTS, 10, 0, 59_000),
         Figure("tenant", LimitKind.TOKENS, 1000, 10, 1500),

@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 
-from extproc.quota.limits import DAY_MS, Admission, Decision, Lease, LimitKind, Limits, Quota, month_of
+from extproc.quota.limits import DAY_MS, Admission, Lease, LimitKind, Limits, Quota, Verdict, month_of
 from extproc.quota.redis_store import _PRELUDE, RedisStore
 from extproc.quota.store import QuotaStore
 from llmgw_testing.redis_server import RedisServer
@@ -64,7 +64,7 @@ async def admit_all(store: QuotaStore, tenant: str, quota: Quota, tokens: list[i
     return leases
 
 
-def remaining_tokens(decision: Decision) -> int:
+def remaining_tokens(decision: Verdict) -> int:
     """The TPM figure's remaining tokens (the test fails if there is none)."""
     figure = decision.tightest(LimitKind.TOKENS)
     assert figure is not None

@@ -10,8 +10,7 @@ from extproc.body import BodyLimits, analyze
 from extproc.config import parse_config
 from extproc.keys import hash_key
 from extproc.predict import OutputLengthPredictor
-from extproc.quota.limits import Decision as Verdict
-from extproc.quota.limits import Figure, Lease, LimitKind
+from extproc.quota.limits import Figure, Lease, LimitKind, Verdict
 from extproc.quota.store import StoreUnavailable
 from extproc.stages.admission import Admissions
 from extproc.state import RequestState, new_state
