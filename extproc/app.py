@@ -202,7 +202,8 @@ async def housekeeping(gateway: Gateway, settlement: Settlement, metrics: Gatewa
     trim = HeapTrim()
     last_sweep = time.monotonic()
     while True:
-        metrics.sync(stats, ledger, classifier.stats if classifier is not None else None,
+        buffering = ledger if isinstance(ledger, RedisLedger) else None
+        metrics.sync(stats, buffering, classifier.stats if classifier is not None else None,
                      len(states.snapshot()) if states is not None else None,
                      cache.counters if cache is not None else None)
         trim()

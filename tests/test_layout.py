@@ -69,3 +69,30 @@ def test_the_check_sees_a_real_import_across_the_boundary() -> None:
     # The other direction is allowed and happens: were the walk blind, this would be empty too.
     assert any("imports extproc." in line for line in offenders(REPO / "llmgw_sim", ("extproc",)))
     assert any(line.endswith("imports extproc.launcher") for line in offenders(REPO / "llmgw_testing", ("extproc",)))
+
+
+# Layers inside the gateway: what a package may not import (the director sits above the others).
+LAYERS = [
+    # routing picks pods and hears outcomes; it knows nothing of the director's requests or steps
+    ("extproc/routing", ("extproc.gateway", "extproc.stages", "extproc.state", "extproc.steps", "extproc.sinks",
+                         "extproc.server")),
+    # the metrics read records and counters, not the stores that keep them
+    ("extproc/telemetry", ("extproc.ledger", "extproc.quota", "extproc.cache", "extproc.gateway", "extproc.stages",
+                           "extproc.sinks")),
+    # the quota store answers admissions; it does not know who asks
+    ("extproc/quota", ("extproc.gateway", "extproc.stages", "extproc.state", "extproc.steps", "extproc.routing")),
+    # the stages are pure: no shell, no settlement, no gRPC
+    ("extproc/stages", ("extproc.server", "extproc.sinks", "extproc.app", "grpc", "extproc.cache.lookup")),
+]
+
+
+@pytest.mark.parametrize(("package", "forbidden"), LAYERS, ids=[package for package, _ in LAYERS])
+def test_a_layer_does_not_import_the_layers_above_it(package: str, forbidden: tuple[str, ...]) -> None:
+    assert list((REPO / package).glob("*.py"))
+    assert offenders(REPO / package, forbidden) == []
+
+
+def test_settlement_reaches_routing_only_through_its_feedback() -> None:
+    imports = {module for _, module in imported_modules((REPO / "extproc/sinks.py").read_text())}
+    assert {module for module in imports if module.startswith("extproc.routing")} == {"extproc.routing.feedback"}
+    assert "extproc.gateway" not in imports

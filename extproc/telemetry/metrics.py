@@ -19,16 +19,13 @@ import shutil
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Protocol
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, start_http_server
 
 from extproc.accounting import CACHED, REJECTED, RequestRecord
-from extproc.cache.store import CacheCounters
-from extproc.ledger import LedgerSink, RedisLedger
-from extproc.quota import FallbackStats
 from extproc.routing.breaker import STATE_VALUES
-from extproc.routing.classifier import ClassifierStats
 from extproc.routing.podstate import PodState, PoolLoad, pool_loads
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -37,6 +34,46 @@ TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4
 DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 
+
+
+class StoreStats(Protocol):
+    """The quota store's fallback counters (``extproc.quota.FallbackStats``)."""
+
+    outages: int
+    local_admissions: int
+    lost_settlements: int
+    in_outage: bool
+
+
+class LedgerStats(Protocol):
+    """A buffering ledger's counters (``extproc.ledger.RedisLedger``)."""
+
+    @property
+    def buffered(self) -> int: ...
+
+    dropped: int
+
+
+class ClassifierCounts(Protocol):
+    """Semantic routing's counters (``extproc.routing.classifier.ClassifierStats``)."""
+
+    @property
+    def outcomes(self) -> Mapping[str, int]: ...
+
+    @property
+    def embed_seconds(self) -> float: ...
+
+
+class CacheCounts(Protocol):
+    """The response cache's counters (``extproc.cache.store.CacheCounters``)."""
+
+    hits: int
+    hot: int
+    misses: int
+    filtered: int
+    errors: int
+    warmed: int
+    stored: int
 
 class GatewayMetrics:
     """Every metric of one extproc process, in its own registry."""
@@ -118,7 +155,7 @@ class GatewayMetrics:
             "llmgw_pool_pods_known", "Pods of the pool with fresh scraped state (the others are left out of "
             "the pool's load)", pool, registry=self.registry, multiprocess_mode="mostrecent")
         self._pools_seen: set[str] = set()
-        self._seen = FallbackStats()
+        self._seen = (0, 0, 0)  # the store's outages, local admissions and lost settlements, as last synced
         self._dropped = 0
         self._outcomes: dict[str, int] = {}
         self._embed_seconds = 0.0
@@ -174,9 +211,9 @@ class GatewayMetrics:
         """A circuit breaker changed state."""
         self.breaker_state.labels(scope, name).set(STATE_VALUES[state])
 
-    def sync(self, stats: FallbackStats | None, ledger: LedgerSink | None,
-             classifier: ClassifierStats | None = None, pods_known: int | None = None,
-             cache: CacheCounters | None = None) -> None:
+    def sync(self, stats: StoreStats | None, ledger: LedgerStats | None,
+             classifier: ClassifierCounts | None = None, pods_known: int | None = None,
+             cache: CacheCounts | None = None) -> None:
         """Copy the quota store's, the ledger's, semantic routing's and the response cache's own
         counters, and how many pods the picker knows (called once a second)."""
         if cache is not None:
@@ -195,12 +232,13 @@ class GatewayMetrics:
         if pods_known is not None:
             self.pods_known.set(pods_known)
         if stats is not None:
-            self.store_outages.inc(stats.outages - self._seen.outages)
-            self.local_admissions.inc(stats.local_admissions - self._seen.local_admissions)
-            self.lost_settlements.inc(stats.lost_settlements - self._seen.lost_settlements)
+            outages, local, lost = self._seen
+            self.store_outages.inc(stats.outages - outages)
+            self.local_admissions.inc(stats.local_admissions - local)
+            self.lost_settlements.inc(stats.lost_settlements - lost)
             self.store_degraded.set(1 if stats.in_outage else 0)
-            self._seen = FallbackStats(stats.outages, stats.local_admissions, stats.lost_settlements)
-        if isinstance(ledger, RedisLedger):
+            self._seen = (stats.outages, stats.local_admissions, stats.lost_settlements)
+        if ledger is not None:
             self.ledger_buffered.set(ledger.buffered)
             self.ledger_dropped.inc(ledger.dropped - self._dropped)
             self._dropped = ledger.dropped
