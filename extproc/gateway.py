@@ -136,14 +136,14 @@ class Gateway:
         state.settled = True
         return state.lease
 
-    def rejection_record(self, state: RequestState) -> RequestRecord:
-        """The record of a request the gateway answered itself."""
-        assert state.rejected is not None
-        return rejection(state.decision(), state.rejected.status, state.rejected.code, time.time_ns())
-
-    def cache_record(self, state: RequestState) -> tuple[RequestRecord, bool]:
-        """The record of a request the cache answered, and whether its tokens are charged."""
-        return self.caching.record(state)
+    def answered(self, state: RequestState) -> tuple[RequestRecord, bool] | None:
+        """The record of a request the gateway answered itself (a refusal, a cache hit), and whether
+        its tokens are charged; None for a reply with no record (``/v1/models``)."""
+        if state.rejected is not None:
+            return rejection(state.decision(), state.rejected.status, state.rejected.code, time.time_ns()), False
+        if state.cached is not None:
+            return self.caching.record(state)
+        return None
 
     def internal_error(self, state: RequestState, error: ApiError) -> Reply:
         """A bug failed this request closed (a 500); the shell gives back the lease ``settle`` claims."""

@@ -77,10 +77,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 check(stage, phase)
                 decision, end_of_stream = await self._decide(state, phase, message)
                 stage = advance(stage, phase, answered=isinstance(decision, Reply), end_of_stream=end_of_stream)
-                if isinstance(decision, Reply) and state.rejected is not None:
-                    self.settlement.rejected(self.gateway.rejection_record(state))
-                elif isinstance(decision, Reply) and state.cached is not None:
-                    self.settlement.cached(*self.gateway.cache_record(state))
+                if isinstance(decision, Reply) and (answered := self.gateway.answered(state)) is not None:
+                    self.settlement.answered(*answered)
                 yield to_response(phase, decision)
                 if stage in _DONE:
                     return  # processing complete: Envoy sends nothing more on this stream

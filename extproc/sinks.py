@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
-from extproc.accounting import CACHE_MISS, Decision, RequestRecord, ResponseFacts, build_record, micro_dollars
+from extproc.accounting import CACHE_MISS, CACHED, Decision, RequestRecord, ResponseFacts, build_record, micro_dollars
 from extproc.cache.answers import NotCacheable, parse_answer
 from extproc.config import GatewayConfig
 from extproc.ledger import LedgerSink, ledger_record, unsettled_record
@@ -42,7 +42,9 @@ class SpanSink(Protocol):
 
 
 class Settlement:
-    """Builds each finished request's record once and gives it to every sink."""
+    """Gives each request's one record to every sink. Records come in two ways: ``finished`` builds
+    a forwarded request's from its access-log entry (whichever worker it reaches); ``answered``
+    takes the one the director built for a request it answered itself (a refusal, a cache hit)."""
 
     def __init__(self, feedback: RoutingFeedback, config: Callable[[], GatewayConfig], store: QuotaStore,
                  ledger: LedgerSink | None = None, metrics: GatewayMetrics | None = None,
@@ -91,9 +93,17 @@ class Settlement:
             return None
         return next((name for name in model.fallback if upstream in config.models_by_name[name].pool.endpoints), None)
 
-    def cached(self, record: RequestRecord, charged: bool) -> None:
-        """A request the response cache answered: its lease settles with no tokens and no cost
-        (unless the cache charges hits), so it counts against request limits only; then the sinks."""
+    def answered(self, record: RequestRecord, charged: bool = False) -> None:
+        """A request the gateway answered itself (the director built its record when it replied):
+        a refusal goes to the metrics, the access log and, for a known tenant, the ledger (an
+        unauthenticated request has nobody to bill); a cache hit's lease settles with no tokens and
+        no cost (unless the cache ``charged`` its hits), so it counts against request limits only."""
+        if record.kind == CACHED:
+            self._cached(record, charged)
+        else:
+            self._sinks(record, ledger=bool(record.decision.tenant))
+
+    def _cached(self, record: RequestRecord, charged: bool) -> None:
         if not self._first(record.id):
             return
         lease = record.decision.lease
@@ -125,11 +135,6 @@ class Settlement:
             await self.cache.store(key, value, ttl_s, stale_ttl_s)
         except Exception as error:  # noqa: BLE001 (an answer not kept is a later miss, not an error)
             log.warning("response cache store failed: %s", str(error) or type(error).__name__)
-
-    def rejected(self, record: RequestRecord) -> None:
-        """A request the gateway answered itself: metrics, access log and, for a known tenant, the
-        ledger (an unauthenticated request has nobody to bill)."""
-        self._sinks(record, ledger=bool(record.decision.tenant))
 
     def unsettled(self, decisions: list[Decision]) -> None:
         """Requests decided here whose access-log entry never came here: each gets a ledger mark
