@@ -40,6 +40,7 @@ from extproc.offload import BodyAnalyzer
 from extproc.quota import FallbackStore, MemoryStore, OnStoreError, QuotaStore
 from extproc.quota.redis_store import RedisStore
 from extproc.routing.classifier import IntentClassifier
+from extproc.routing.engines import scrape_targets
 from extproc.routing.picker import Picker
 from extproc.routing.podstate import PodStates, default_state_path, gather_forever
 from extproc.routing.probe import probe_forever
@@ -222,7 +223,7 @@ async def gather_pod_states(gateway: Gateway, states: PodStates) -> None:
     queue, KV-cache and LoRA scorers, and QoS shedding)."""
     scrape = gateway.config.endpoint_picker.scrape
     path = Path(scrape.path) if scrape.path else default_state_path(_all_endpoints(gateway.config))
-    await gather_forever(lambda: _all_endpoints(gateway.config), path, scrape.interval_s, states, scrape.timeout_s)
+    await gather_forever(lambda: scrape_targets(gateway.config), path, scrape.interval_s, states, scrape.timeout_s)
 
 
 async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[int], None],

@@ -7,6 +7,7 @@ import asyncio
 import fcntl
 import itertools
 import logging
+import math
 import os
 import signal
 import sys
@@ -23,6 +24,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from extproc.resources import DEFAULT_TOKENIZER
+from extproc.routing.engines import VLLM
 from extproc.routing.podstate import (
     MODELS_EVERY,
     PodState,
@@ -72,12 +74,14 @@ vllm:gpu_prefix_cache_created{model_name="m"} 1.7e9
 vllm:gpu_prefix_cache_hits_total{model_name="m"} 16.0
 """
 NEW_AND_OLD = """\
+vllm:num_requests_running{engine="0"} 1.0
 vllm:kv_cache_usage_perc{engine="0"} 0.5
 vllm:gpu_cache_usage_perc{engine="0"} 0.5
 vllm:prefix_cache_queries_total{engine="0"} 64.0
 vllm:gpu_prefix_cache_queries_total{engine="0"} 64.0
 """
 LORA_SERIES = """\
+vllm:num_requests_running{model_name="m"} 2.0
 # HELP vllm:lora_requests_info Running stats on lora requests.
 # TYPE vllm:lora_requests_info gauge
 vllm:lora_requests_info{max_lora="2",running_lora_adapters="old",waiting_lora_adapters=""} 1.7e9
@@ -106,17 +110,29 @@ vllm:num_requests_running{engine="1"} 2
         pytest.param(LORA_SERIES, {"running_adapters": frozenset({"sql", "chat"}),
                                    "waiting_adapters": frozenset({"math"}), "max_lora": 2},
                      id="LoRA: the series with the latest time wins, not the last line"),
-        pytest.param(BROKEN_LINES, {"waiting": 7.0, "running": 2.0, "kv_usage": 0.0},
+        pytest.param(BROKEN_LINES, {"waiting": 7.0, "running": 2.0, "prefix_hits": 0.0},
                      id="a bad line or value costs only itself"),
-        pytest.param("<html>502 Bad Gateway</html>\n\x00{{{", {"waiting": 0.0, "kv_usage": 0.0, "max_lora": 0},
-                     id="garbage: zeros, no error"),
-        pytest.param("", {"waiting": 0.0, "running_adapters": frozenset(), "max_lora": 0}, id="empty"),
     ],
 )
 def test_parse_metrics(text: str, expected: dict[str, object]) -> None:
     parsed = parse_metrics("10.0.0.1:8000", text, 123.0, frozenset({"m"}))
+    assert parsed is not None
     assert (parsed.endpoint, parsed.scraped_at, parsed.models) == ("10.0.0.1:8000", 123.0, frozenset({"m"}))
     assert {name: getattr(parsed, name) for name in expected} == expected
+
+
+def test_a_kv_cache_the_pod_does_not_report_is_unknown_not_empty() -> None:
+    parsed = parse_metrics("10.0.0.1:8000", BROKEN_LINES, 123.0)  # its only KV line is unreadable
+    assert parsed is not None and math.isnan(parsed.kv_usage)
+
+
+@pytest.mark.parametrize("text", [
+    pytest.param("<html>502 Bad Gateway</html>\n\x00{{{", id="garbage"),
+    pytest.param("", id="empty"),
+    pytest.param("llamacpp:requests_processing 2\nllamacpp:requests_deferred 1\n", id="another engine's names"),
+])
+def test_a_text_without_the_engines_load_metrics_is_no_state(text: str) -> None:
+    assert parse_metrics("10.0.0.1:8000", text, 123.0) is None  # unknown, never idle
 
 
 def test_parse_models() -> None:
@@ -295,9 +311,9 @@ async def test_two_workers_share_one_scraper_and_the_other_takes_over(
     endpoints = tuple(endpoint for endpoint, _ in pods)
     path = tmp_path / "pods.json"
     first, second = PodStates(stale_after_s=5 * INTERVAL), PodStates(stale_after_s=5 * INTERVAL)
-    scraper = asyncio.create_task(gather_forever(lambda: endpoints, path, INTERVAL, first))
+    scraper = asyncio.create_task(gather_forever(lambda: dict.fromkeys(endpoints, VLLM), path, INTERVAL, first))
     await eventually(path.exists, 20.0, "the first worker wrote a snapshot")
-    other = asyncio.create_task(gather_forever(lambda: endpoints, path, INTERVAL, second))
+    other = asyncio.create_task(gather_forever(lambda: dict.fromkeys(endpoints, VLLM), path, INTERVAL, second))
     try:
         await eventually(lambda: all(second.get(ep) for ep in endpoints), 20.0, "the second worker loaded it")
         assert all(first.get(ep) for ep in endpoints)
@@ -328,9 +344,10 @@ async def test_two_workers_share_one_scraper_and_the_other_takes_over(
 WORKER = """
 import asyncio, sys
 from pathlib import Path
+from extproc.routing.engines import VLLM
 from extproc.routing.podstate import PodStates, gather_forever
 endpoint, path, interval = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
-asyncio.run(gather_forever(lambda: (endpoint,), path, interval, PodStates(60.0)))
+asyncio.run(gather_forever(lambda: {endpoint: VLLM}, path, interval, PodStates(60.0)))
 """
 
 
@@ -344,7 +361,7 @@ async def test_a_worker_takes_over_when_the_scraper_process_dies(
     task: asyncio.Task[None] | None = None
     try:
         await eventually(path.exists, 30.0, "the worker process scrapes")
-        task = asyncio.create_task(gather_forever(lambda: (endpoint,), path, INTERVAL, states))
+        task = asyncio.create_task(gather_forever(lambda: {endpoint: VLLM}, path, INTERVAL, states))
         await eventually(lambda: states.get(endpoint) is not None, 20.0, "this worker reads the process's snapshot")
         count = len(hits.times["/metrics"])
         await eventually(lambda: len(hits.times["/metrics"]) >= count + 3, 20.0, "3 more rounds")
@@ -398,8 +415,8 @@ async def test_a_pod_that_stops_answering_goes_stale_and_is_logged_once(
     pods = [FakePod(waiting=1.0), FakePod(waiting=2.0)]
     endpoints = tuple([await serve(pod.app()) for pod in pods])
     states = PodStates(stale_after_s=3 * INTERVAL)
-    task = asyncio.create_task(gather_forever(lambda: endpoints, tmp_path / "pods.json", INTERVAL, states,
-                                              timeout_s=INTERVAL / 2))
+    task = asyncio.create_task(gather_forever(lambda: dict.fromkeys(endpoints, VLLM), tmp_path / "pods.json",
+                                              INTERVAL, states, timeout_s=INTERVAL / 2))
     hung, alive = pods[0], endpoints[1]
     try:
         await eventually(lambda: all(states.get(ep) for ep in endpoints), 20.0, "both pods scraped")
@@ -427,7 +444,7 @@ async def test_a_reader_loads_what_the_scraper_writes_and_takes_over_when_it_can
     lock = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(lock, fcntl.LOCK_EX)  # this test is the node's scraper: the worker only reads
     states = PodStates(stale_after_s=60.0)
-    task = asyncio.create_task(gather_forever(lambda: (endpoint,), path, INTERVAL, states))
+    task = asyncio.create_task(gather_forever(lambda: {endpoint: VLLM}, path, INTERVAL, states))
     try:
         path.write_bytes(b"{ not a snapshot")
         await eventually(lambda: "malformed" in caplog.text, 20.0, "the worker met the malformed snapshot")

@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from extproc.routing.engines import VLLM
 from extproc.routing.podstate import (
     PodState,
     PodStates,
@@ -136,7 +137,7 @@ async def test_a_scrape_landing_sets_the_gauges(tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{server.port}"
     metrics = GatewayMetrics()
     states = PodStates(stale_after_s=5.0, on_update=metrics.pool_feed(lambda: {"general": [endpoint]}))
-    task = asyncio.create_task(gather_forever(lambda: (endpoint,), tmp_path / "pods.json", 0.05, states))
+    task = asyncio.create_task(gather_forever(lambda: {endpoint: VLLM}, tmp_path / "pods.json", 0.05, states))
     try:
         deadline = time.monotonic() + 5
         while gauge(metrics, "llmgw_pool_pods_known", "general") != 1:

@@ -61,7 +61,7 @@ def compile_spec(spec: GatewaySpec, *, env: dict[str, str] | os._Environ[str]) -
             raise ConfigError(f"pools[{i}].endpoints: empty (simulated pools get theirs from `llmgw up`)")
         pools[p.name] = Pool(p.name, tuple(p.endpoints), _read_credential(p.credential, f"pools[{i}].credential", env),
                              p.health, p.picker or spec.endpoint_picker.default, frozenset(p.draining),
-                             tuple(p.shed.items()), p.batching, p.degrade)
+                             tuple(p.shed.items()), p.batching, p.degrade, p.engine)
     templates: dict[str, JinjaChatTemplate] = {}  # each file compiled once, however many models share it
     models = tuple(
         Model(m.name, pools[m.pool], tuple(m.aliases), m.owned_by, m.max_model_len, Prices(**m.price.model_dump()),

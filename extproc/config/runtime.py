@@ -45,6 +45,7 @@ class Pool:
     shed: tuple[tuple[str, float], ...] = ()  # (QoS class or "default", mean waiting depth per pod)
     batching: BatchingSpec = field(default_factory=BatchingSpec)
     degrade: DegradeSpec = field(default_factory=DegradeSpec)
+    engine: str = "vllm"  # a name of extproc.routing.engines.PROFILES
 
     def shed_depth(self, qos: str) -> float | None:
         """The mean queue depth past which requests of class ``qos`` are refused (None: never)."""

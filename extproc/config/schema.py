@@ -210,6 +210,10 @@ class PoolSpec(_Strict):
     endpoints: list[Annotated[str, AfterValidator(_host_port)]] = Field(default_factory=list)
     # `llmgw up` starts this many simulated pods and fills `endpoints` with their addresses.
     simulate: Annotated[int, Field(ge=0, le=64)] = 0
+    # The inference engine the pods run: the names their load is read under, what the batching
+    # coordinator may send them (extproc/routing/engines.py). llamacpp needs `llama-server --metrics`,
+    # sglang `--enable-metrics`; a pod whose /metrics has none of its engine's names is unknown.
+    engine: Literal["vllm", "sglang", "llamacpp", "tgi"] = "vllm"
     credential: CredentialSpec | None = None
     # How long a pod may stay silent (before its first byte, or between two) before Envoy gives up
     # on that attempt and retries once on another pod: generous, as a long prompt's prefill and a

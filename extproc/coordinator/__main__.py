@@ -20,6 +20,7 @@ from aiohttp import web
 from extproc.config import ConfigError, GatewayConfig, load_config
 from extproc.coordinator.merge import PromptRenderer
 from extproc.coordinator.server import Coordinator, build_app
+from extproc.routing.engines import scrape_targets
 from extproc.routing.podstate import PodStates, default_state_path, gather_forever
 from extproc.telemetry.tracing import RequestTracer
 
@@ -35,11 +36,11 @@ async def serve(config: GatewayConfig, host: str, port: int) -> None:
     """Serve until SIGTERM/SIGINT."""
     scrape = config.endpoint_picker.scrape
     states = PodStates(stale_after_s=scrape.interval_s * scrape.stale_after_intervals)
-    endpoints = tuple(sorted({e for pool in config.pools.values() for e in pool.endpoints}))
+    targets = scrape_targets(config)
     gatherer = None
-    if scrape.enabled and endpoints:
-        path = Path(scrape.path) if scrape.path else default_state_path(endpoints)
-        gatherer = asyncio.create_task(gather_forever(lambda: endpoints, path, scrape.interval_s, states,
+    if scrape.enabled and targets:
+        path = Path(scrape.path) if scrape.path else default_state_path(targets)
+        gatherer = asyncio.create_task(gather_forever(lambda: targets, path, scrape.interval_s, states,
                                                       scrape.timeout_s))
     tracer = RequestTracer.from_config(config.tracing) if config.tracing.enabled else None
     coordinator = Coordinator(states, tracer, chat_templates(config))

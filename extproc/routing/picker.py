@@ -24,6 +24,7 @@ seeing the same state must not all pile onto one pod). The baselines ``least_in_
 
 from __future__ import annotations
 
+import math
 import random
 import zlib
 from collections import Counter
@@ -252,7 +253,8 @@ def _queue(picker: Picker, candidates: tuple[str, ...], states: States, request:
 
 
 def _kv_cache(picker: Picker, candidates: tuple[str, ...], states: States, request: PickRequest) -> list[float]:
-    return [0.0 if s is None else max(0.0, min(1.0, 1.0 - s.kv_usage)) for s in states]
+    # unknown (no state, or an engine that does not report its KV cache: NaN) scores as full
+    return [0.0 if s is None or math.isnan(s.kv_usage) else max(0.0, min(1.0, 1.0 - s.kv_usage)) for s in states]
 
 
 def _in_flight(picker: Picker, candidates: tuple[str, ...], states: States, request: PickRequest) -> list[float]:

@@ -1,7 +1,10 @@
-"""What each pod's vLLM says about its load, gathered once per node and shared by every worker.
+"""What each pod says about its load, gathered once per node and shared by every worker.
 
-- ``parse_metrics`` (pure): a pod's Prometheus ``/metrics`` text -> ``PodState`` (queue, KV cache,
-  prefix cache, LoRA adapters), with the model ids its ``/v1/models`` lists.
+- ``parse_metrics`` (pure): a pod's Prometheus ``/metrics`` text, read through its engine's profile
+  (``extproc.routing.engines``) -> ``PodState`` (queue, KV cache, prefix cache, LoRA adapters),
+  with the model ids its ``/v1/models`` lists; None when the text has none of the profile's load
+  metrics (an engine started without its metrics flag, or another engine than configured): such a
+  pod is unknown, never idle, and ``llmgw_pool_pods_known`` leaves it out.
 - ``PodStates`` (pure): the latest state of each pod as one worker sees it. A state older than
   ``stale_after_s`` is unknown, never "idle": a pod that stopped answering must not win picks.
   Its optional ``on_update`` hears every change (the pool gauges autoscalers read are fed there).
@@ -37,16 +40,10 @@ import aiohttp
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.routing.engines import VLLM, EngineProfile
+
 log = logging.getLogger("llmgw.podstate")
 
-# vLLM's names (vllm/v1/metrics/loggers.py); the second of a pair is the older, deprecated one.
-WAITING = "vllm:num_requests_waiting"
-RUNNING = "vllm:num_requests_running"
-KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
-PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
-LORA_INFO = "vllm:lora_requests_info"
-_WANTED = frozenset({WAITING, RUNNING, *KV_USAGE, *PREFIX_QUERIES, *PREFIX_HITS, LORA_INFO})
 _SNAPSHOT_VERSION = 1
 
 
@@ -56,9 +53,9 @@ class PodState:
 
     endpoint: str  # "host:port"
     scraped_at: float  # time.time() when the pod answered /metrics
-    waiting: float  # vllm:num_requests_waiting
-    running: float  # vllm:num_requests_running
-    kv_usage: float  # 0..1, vllm:kv_cache_usage_perc (mean over engines)
+    waiting: float  # queued requests (vllm:num_requests_waiting, llamacpp:requests_deferred, ...)
+    running: float  # requests generating (vllm:num_requests_running, llamacpp:requests_processing, ...)
+    kv_usage: float  # 0..1 (vllm:kv_cache_usage_perc, mean over engines); NaN: the engine does not say
     prefix_queries: float  # counter, in tokens
     prefix_hits: float  # counter, in tokens
     running_adapters: frozenset[str]
@@ -70,27 +67,32 @@ class PodState:
 # -- parsing (pure) --------------------------------------------------------------------------
 
 
-def parse_metrics(endpoint: str, text: str, scraped_at: float,
-                  models: frozenset[str] = frozenset()) -> PodState:
-    """A pod's state from its Prometheus text. Gauges and counters are summed over label sets
-    (a pod with several engines), KV usage is their mean; a missing metric or a line the parser
-    refuses counts as absent (0), so any text gives a state."""
+def parse_metrics(endpoint: str, text: str, scraped_at: float, models: frozenset[str] = frozenset(),
+                  profile: EngineProfile = VLLM) -> PodState | None:
+    """A pod's state from its Prometheus text, read with its engine's names. Gauges and counters
+    are summed over label sets (a pod with several engines), KV usage is their mean. A line the
+    parser refuses counts as absent; so does a metric the pod does not export (0), but a text
+    with neither the profile's waiting nor its running metric is no state at all (None)."""
     values: dict[str, list[float]] = {}
     lora_at, lora_labels = -math.inf, {}
-    for name, labels, value in _samples(text):
-        if name != LORA_INFO:
+    for name, labels, value in _samples(text, profile.wanted):
+        if name != profile.lora_info:
             values.setdefault(name, []).append(value)
         elif value > lora_at:  # vLLM sets the value to the update's time: a stale series stays behind
             lora_at, lora_labels = value, labels
-    kv = _first(values, KV_USAGE)
+    waiting, running = _first(values, profile.waiting), _first(values, profile.running)
+    if not waiting and not running:
+        return None
+    hits = float(sum(_first(values, profile.prefix_hits)))
+    queries = float(sum(_first(values, profile.prefix_queries)))
     return PodState(
         endpoint=endpoint,
         scraped_at=scraped_at,
-        waiting=float(sum(values.get(WAITING, ()))),
-        running=float(sum(values.get(RUNNING, ()))),
-        kv_usage=min(max(sum(kv) / len(kv), 0.0), 1.0) if kv else 0.0,
-        prefix_queries=float(sum(_first(values, PREFIX_QUERIES))),
-        prefix_hits=float(sum(_first(values, PREFIX_HITS))),
+        waiting=float(sum(waiting)),
+        running=float(sum(running)),
+        kv_usage=_kv_usage(values, profile),
+        prefix_queries=queries + hits if profile.queries_exclude_hits else queries,
+        prefix_hits=hits,
         running_adapters=_names(lora_labels.get("running_lora_adapters", "")),
         waiting_adapters=_names(lora_labels.get("waiting_lora_adapters", "")),
         max_lora=_int(lora_labels.get("max_lora", "0")),
@@ -110,11 +112,22 @@ def parse_models(body: bytes) -> frozenset[str] | None:
     return frozenset(card["id"] for card in data if isinstance(card, dict) and isinstance(card.get("id"), str))
 
 
-def _samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
+def _kv_usage(values: Mapping[str, list[float]], profile: EngineProfile) -> float:
+    """KV-cache use, 0..1: the profile's ratio gauge (mean over engines), or used / total; NaN when
+    the engine reports neither."""
+    ratio = _first(values, profile.kv_usage)
+    if ratio:
+        return min(max(sum(ratio) / len(ratio), 0.0), 1.0)
+    used = sum(values.get(profile.kv_used or "", ()))
+    total = sum(values.get(profile.kv_total or "", ()))
+    return min(max(used / total, 0.0), 1.0) if total > 0 else math.nan
+
+
+def _samples(text: str, wanted: frozenset[str]) -> Iterator[tuple[str, dict[str, str], float]]:
     """Samples of the wanted metrics only: each line is parsed alone, so a bad line costs itself."""
     for line in text.splitlines():
         head = line.partition("{")[0].split(maxsplit=1)
-        if not head or head[0] not in _WANTED:
+        if not head or head[0] not in wanted:
             continue
         try:
             families = list(text_string_to_metric_families(line + "\n"))
@@ -191,9 +204,9 @@ class PoolLoad:
 
     pods: int  # the pool's endpoints
     pods_known: int  # of them, with fresh state
-    waiting: float  # sum of vllm:num_requests_waiting: the pool's queue depth
-    running: float  # sum of vllm:num_requests_running
-    kv_usage_mean: float  # mean of vllm:kv_cache_usage_perc, 0..1 (an autoscaler's average)
+    waiting: float  # sum of the pods' waiting requests: the pool's queue depth
+    running: float  # sum of their running requests
+    kv_usage_mean: float  # mean KV-cache use, 0..1, of the pods that report it (an autoscaler's average)
 
 
 def pool_loads(states: Mapping[str, PodState], pools: Mapping[str, Iterable[str]]) -> dict[str, PoolLoad]:
@@ -205,8 +218,9 @@ def pool_loads(states: Mapping[str, PodState], pools: Mapping[str, Iterable[str]
         if not known:
             loads[pool] = PoolLoad(len(members), 0, math.nan, math.nan, math.nan)
             continue
+        kv = [s.kv_usage for s in known if not math.isnan(s.kv_usage)]
         loads[pool] = PoolLoad(len(members), len(known), sum(s.waiting for s in known),
-                               sum(s.running for s in known), sum(s.kv_usage for s in known) / len(known))
+                               sum(s.running for s in known), sum(kv) / len(kv) if kv else math.nan)
     return loads
 
 
@@ -244,7 +258,7 @@ def _decode(body: bytes) -> _Snapshot:
         raise ValueError(f"snapshot version {document['version']!r}")
     pods = tuple(PodState(
         endpoint=str(p["endpoint"]), scraped_at=float(p["scraped_at"]), waiting=float(p["waiting"]),
-        running=float(p["running"]), kv_usage=float(p["kv_usage"]),
+        running=float(p["running"]), kv_usage=math.nan if p["kv_usage"] is None else float(p["kv_usage"]),
         prefix_queries=float(p["prefix_queries"]), prefix_hits=float(p["prefix_hits"]),
         running_adapters=frozenset(map(str, p["running_adapters"])),
         waiting_adapters=frozenset(map(str, p["waiting_adapters"])),
@@ -364,10 +378,13 @@ class _Scraper:
         self._failing: set[str] = set()
         self._rounds = 0
 
-    async def round(self, endpoints: tuple[str, ...], known: Mapping[str, PodState]) -> dict[str, PodState]:
-        """The new state of each pod; a pod that failed keeps its known state, which ages."""
+    async def round(self, targets: Mapping[str, EngineProfile], known: Mapping[str, PodState]
+                    ) -> dict[str, PodState]:
+        """The new state of each pod (by endpoint, read with its engine's profile); a pod that
+        failed keeps its known state, which ages."""
         self._rounds += 1
-        fresh = await asyncio.gather(*(self._scrape(ep, known.get(ep)) for ep in endpoints))
+        endpoints = tuple(targets)
+        fresh = await asyncio.gather(*(self._scrape(ep, targets[ep], known.get(ep)) for ep in endpoints))
         pods: dict[str, PodState] = {}
         for endpoint, state in zip(endpoints, fresh, strict=True):
             if state is None:
@@ -376,32 +393,43 @@ class _Scraper:
                 pods[endpoint] = state
         return pods
 
-    async def _scrape(self, endpoint: str, known: PodState | None) -> PodState | None:
+    async def _scrape(self, endpoint: str, profile: EngineProfile, known: PodState | None) -> PodState | None:
+        metrics_url = f"http://{endpoint}/metrics"
         if known is None or not known.models or self._rounds % MODELS_EVERY == 1:
-            metrics, models = await asyncio.gather(_fetch(self._session, f"http://{endpoint}/metrics"),
-                                                   _fetch(self._session, f"http://{endpoint}/v1/models"))
+            metrics, models = await asyncio.gather(_fetch(self._session, metrics_url),
+                                                   _fetch(self._session, f"http://{endpoint}{profile.models_path}"))
         else:
-            metrics, models = await _fetch(self._session, f"http://{endpoint}/metrics"), _ScrapeFailed("not asked")
+            metrics, models = await _fetch(self._session, metrics_url), _ScrapeFailed("not asked")
         scraped_at = time.time()
         if isinstance(metrics, _ScrapeFailed):
-            if endpoint not in self._failing:
-                self._failing.add(endpoint)
-                log.warning("pod %s: /metrics failed (%s); its state ages until it answers", endpoint, metrics)
+            self._failed(endpoint, f"/metrics failed ({metrics})")
+            return None
+        ids = None if isinstance(models, _ScrapeFailed) else parse_models(models)
+        if ids is None:  # the load is still worth having; a model list rarely changes
+            ids = known.models if known is not None else frozenset()
+        state = parse_metrics(endpoint, metrics.decode("utf-8", "replace"), scraped_at, ids, profile)
+        if state is None:
+            flag = f" (is it started with {profile.metrics_flag}?)" if profile.metrics_flag else ""
+            self._failed(endpoint, f"/metrics has none of {profile.name}'s load metrics "
+                               f"({', '.join(profile.waiting + profile.running)}){flag}")
             return None
         if endpoint in self._failing:
             self._failing.discard(endpoint)
             log.info("pod %s: /metrics answers again", endpoint)
-        ids = None if isinstance(models, _ScrapeFailed) else parse_models(models)
-        if ids is None:  # the load is still worth having; a model list rarely changes
-            ids = known.models if known is not None else frozenset()
-        return parse_metrics(endpoint, metrics.decode("utf-8", "replace"), scraped_at, ids)
+        return state
+
+    def _failed(self, endpoint: str, why: str) -> None:
+        if endpoint not in self._failing:
+            self._failing.add(endpoint)
+            log.warning("pod %s: %s; it is unknown (never idle) until it answers", endpoint, why)
 
 
-async def gather_forever(endpoints: Callable[[], tuple[str, ...]], path: Path, interval_s: float,
+async def gather_forever(targets: Callable[[], Mapping[str, EngineProfile]], path: Path, interval_s: float,
                          states: PodStates, timeout_s: float | None = None) -> None:
     """Keep ``states`` filled from the node's snapshot at ``path``, scraping the pods of
-    ``endpoints()`` whenever this worker holds the node's lock (see the module doc). Workers that
-    share ``path`` must watch the same pods (``default_state_path`` makes sure of it)."""
+    ``targets()`` (each read with its engine's profile) whenever this worker holds the node's lock
+    (see the module doc). Workers that share ``path`` must watch the same pods
+    (``default_state_path`` makes sure of it)."""
     if interval_s <= 0:
         raise ValueError("interval_s must be > 0")
     timeout = aiohttp.ClientTimeout(total=min(interval_s, 1.0) if timeout_s is None else timeout_s)
@@ -424,7 +452,7 @@ async def gather_forever(endpoints: Callable[[], tuple[str, ...]], path: Path, i
                     wait = min(round_started + interval_s - time.time(), interval_s)
                     if wait <= 0:
                         round_started = time.time()
-                        known = await scraper.round(endpoints(), known)
+                        known = await scraper.round(targets(), known)
                         try:
                             node.write(_Snapshot(round_started, tuple(known.values())))
                         except OSError as err:
