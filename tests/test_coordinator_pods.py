@@ -6,12 +6,14 @@ runs, where later requests can still join it, instead of queueing behind it at t
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import orjson
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from extproc.coordinator.server import Coordinator, build_app
+from extproc.routing.engines import LLAMACPP, VLLM
 from tests.helpers import eventually
 
 
@@ -59,6 +61,7 @@ async def _stack(serial: bool) -> tuple[GatedPod, Coordinator, TestClient, TestC
     pod_client = TestClient(TestServer(app))
     await pod_client.start_server()
     coordinator = Coordinator()
+    coordinator.serial_evidence_s = 0.0  # these pods hold calls at the test's pace: every wait counts
     client = TestClient(TestServer(build_app(coordinator)))
     await client.start_server()
     return pod, coordinator, client, pod_client, f"127.0.0.1:{pod_client.port}"
@@ -112,5 +115,66 @@ async def test_a_pod_that_interleaves_calls_gets_each_batch_when_its_window_clos
     for gate in pod.gates:
         gate.set()
     assert [(await task)["size"] for task in (first, second, third)] == ["1", "1", "1"]
+    await client.close()
+    await pod_client.close()
+
+
+async def test_a_continuous_engine_is_not_labelled_serial_for_calls_that_simply_ended_first() -> None:
+    pod, _, client, pod_client, endpoint = await _stack(serial=True)  # the pod holds each call until told
+    coordinator = Coordinator(engines={endpoint: VLLM})  # its profile: a continuous engine
+    gateway = TestClient(TestServer(build_app(coordinator)))
+    await gateway.start_server()
+    first = _ask(gateway, endpoint, 0)
+    await eventually(lambda: len(pod.started) == 1)
+    second = _ask(gateway, endpoint, 1)
+    await eventually(lambda: len(pod.calls) == 2)
+    pod.gates[0].set()  # the first ends; the second starts after it: one sample at most, from the profile's prior
+    await eventually(lambda: len(pod.started) == 2)
+    pod.gates[1].set()
+    await first
+    await second
+    assert not coordinator.serializes(endpoint) and coordinator.interleaves.get(endpoint, 1.0) >= 0.5
+    for closing in (gateway, client, pod_client):
+        await closing.close()
+
+
+async def test_llamacpp_streams_a_null_event_per_further_prompt_and_each_prompts_own_usage() -> None:
+    async def completions(request: web.Request) -> web.StreamResponse:
+        prompts = (await request.json())["prompt"]
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for i, _ in enumerate(prompts):  # llama-server 0c1e57098: each further prompt begins with `data: null`
+            if i:
+                await response.write(b"data: null\n\n")
+            await response.write(b"data: " + orjson.dumps({"choices": [{"index": i, "text": "hi"}]}) + b"\n\n")
+            usage = {"prompt_tokens": 10 + i, "completion_tokens": 1 + i, "total_tokens": 11 + 2 * i,
+                     "prompt_tokens_details": {"cached_tokens": i}}
+            final = {"choices": [{"index": i, "text": "", "finish_reason": "stop"}], "usage": usage}
+            await response.write(b"data: " + orjson.dumps(final) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    pod_client = TestClient(TestServer(app))
+    await pod_client.start_server()
+    endpoint = f"127.0.0.1:{pod_client.port}"
+    busy = SimpleNamespace(waiting=1.0, running=4.0, kv_usage=0.5, scraped_at=0.0)  # no room: the two share a call
+    coordinator = Coordinator(states=SimpleNamespace(get=lambda _: busy), engines={endpoint: LLAMACPP})
+    client = TestClient(TestServer(build_app(coordinator)))
+    await client.start_server()
+    headers = {"x-gateway-destination-endpoint": endpoint, "x-llmgw-batch": "wait_ms=10000; size=2",
+               "x-llmgw-input-tokens": "10"}
+
+    async def ask(i: int) -> dict:
+        response = await client.post("/v1/completions", headers=headers,
+                                     data=orjson.dumps({"model": "m", "prompt": f"p{i}", "max_tokens": 4}))
+        assert response.status == 200 and response.headers["x-llmgw-batch-size"] == "2"
+        return await response.json()
+
+    answers = await asyncio.gather(ask(0), ask(1))
+    by_prompt = sorted((a["usage"]["prompt_tokens"], a["usage"]["completion_tokens"]) for a in answers)
+    assert by_prompt == [(10, 1), (11, 2)]  # each its own, as the pod counted it (not a split of the last)
+    assert all(a["choices"][0]["text"] == "hi" for a in answers)
     await client.close()
     await pod_client.close()

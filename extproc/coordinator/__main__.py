@@ -43,7 +43,7 @@ async def serve(config: GatewayConfig, host: str, port: int) -> None:
         gatherer = asyncio.create_task(gather_forever(lambda: targets, path, scrape.interval_s, states,
                                                       scrape.timeout_s))
     tracer = RequestTracer.from_config(config.tracing) if config.tracing.enabled else None
-    coordinator = Coordinator(states, tracer, chat_templates(config))
+    coordinator = Coordinator(states, tracer, chat_templates(config), engines=targets)
     runner = web.AppRunner(build_app(coordinator), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)

@@ -9,10 +9,11 @@ the config gives one (``models[].chat_template``, compiled by ``extproc.chat_tem
 in as ``templates``), else ChatML (as the gateway counts them and the simulated pod encodes them).
 
 The pod streams (``stream_options.include_usage``): each chunk carries one choice whose ``index``
-is the prompt's position in the list. Usage comes once, for the whole call; each client's share is
-split from it (``split``), in proportion to the gateway's exact count of its prompt and to the
-content events of its answer (vLLM sends about one token per event), so the shares add up to
-exactly what the pod reported.
+is the prompt's position in the list. vLLM sends usage once, for the whole call; each client's
+share is split from it (``split``), in proportion to the gateway's exact count of its prompt and to
+the content events of its answer (vLLM sends about one token per event), so the shares add up to
+exactly what the pod reported. llama.cpp ends each prompt with its own usage (``own_usage``), and
+marks each further prompt's start with a ``data: null`` event, which carries nothing.
 """
 
 from __future__ import annotations
@@ -165,6 +166,14 @@ def shares(pod_usage: dict[str, Any] | None, members: Sequence[Member], events: 
     details = pod_usage.get("prompt_tokens_details") or {}
     cached = split(int(details.get("cached_tokens") or 0), prompt)
     return [Usage(p, c, k) for p, c, k in zip(prompt, completion, cached, strict=True)]
+
+
+def own_usage(usage: dict[str, Any]) -> Usage:
+    """A usage object that is one prompt's own (llama.cpp ends each prompt of a merged stream
+    with its own ``usage``, where vLLM sends one for the whole call)."""
+    details = usage.get("prompt_tokens_details") or {}
+    return Usage(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
+                 int(details.get("cached_tokens") or 0))
 
 
 class Answer:

@@ -26,6 +26,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import grpc
@@ -46,6 +47,7 @@ from extproc.coordinator.merge import (
     Member,
     MergeError,
     PromptRenderer,
+    own_usage,
     parse,
     pod_body,
     protocol_key,
@@ -54,6 +56,7 @@ from extproc.coordinator.merge import (
 from extproc.coordinator.window import FULL, ROOM, WINDOW, AdaptiveWindow
 from extproc.protos.llmgw.v1 import batch_pb2, batch_pb2_grpc
 from extproc.routing.embedders import HashingEmbedder
+from extproc.routing.engines import EngineProfile
 from extproc.telemetry.tracecontext import random_hex
 from extproc.telemetry.tracing import BatchSpan, RequestTracer
 
@@ -70,6 +73,11 @@ MAX_WINDOWS = 4096  # queues' adaptive windows remembered
 POD_SILENCE_S = 120.0  # the longest a pod may stay silent before the call counts as failed
 PROTOCOL_RECHECK_S = 30.0  # how often a pod is asked again whether it speaks the batch protocol
 HELD_RECHECK_S = 1.0  # a batch held for a busy pod looks again at least this often
+# A call whose first token came only after the calls ahead of it ended says the pod runs one call
+# at a time only if it was kept waiting this long (a continuous engine at low load ends the call
+# ahead before starting the next one's tokens: that is no evidence).
+SERIAL_EVIDENCE_S = 0.05
+ENDED_KEPT = 4096  # ended calls' times remembered
 
 
 @dataclass(eq=False)
@@ -141,8 +149,11 @@ class Coordinator:
     """The queues, the calls in flight per pod, and the HTTP session to the pods."""
 
     def __init__(self, states: object | None = None, tracer: RequestTracer | None = None,
-                 templates: Mapping[str, PromptRenderer] = NO_TEMPLATES) -> None:
+                 templates: Mapping[str, PromptRenderer] = NO_TEMPLATES,
+                 engines: Mapping[str, EngineProfile] | None = None) -> None:
         self.tracer = tracer  # None: tracing off
+        self.engines = engines or {}  # each pod's engine profile (by endpoint): whether it interleaves calls
+        self.serial_evidence_s = SERIAL_EVIDENCE_S
         self.templates = templates  # each model's own chat template (by name); the others ChatML
         self.queues: dict[BatchKey, list[Pending]] = {}
         self._wakeups: dict[BatchKey, asyncio.Event] = {}
@@ -155,9 +166,12 @@ class Coordinator:
         self._sent_at: dict[str, float] = {}  # wall-clock time of the last call to each pod
         self._open: dict[str, set[int]] = {}  # pod -> our calls to it in flight
         self._call_ids = itertools.count(1)
-        # pod -> EWMA of "a call started while an earlier one still ran" (1) or "only after" (0):
-        # vLLM interleaves calls; a server without a batcher runs them one after another
+        # pod -> EWMA of "a call started while an earlier one still ran" (1) or "only after" (0),
+        # from the engine's profile first (vLLM and llama.cpp interleave calls); a server without a
+        # batcher shows it runs them one after another, and only waits that were real count.
         self.interleaves: dict[str, float] = {}
+        self._ended_at: dict[int, float] = {}  # recently ended calls: when (monotonic)
+        self._sent: dict[int, float] = {}  # calls in flight: when they went out (monotonic)
         self._embedder = HashingEmbedder()  # grouping's (extproc.coordinator.grouping says why lexical)
         self.states = states  # the node's pod states (extproc.routing.podstate.PodStates), if read
         self.session: aiohttp.ClientSession | None = None
@@ -271,8 +285,16 @@ class Coordinator:
         return np.stack([p.vector for p in queue])  # type: ignore[misc]
 
     def serializes(self, endpoint: str) -> bool:
-        """The pod runs one call at a time (learned, ``_started``) and one of ours runs now."""
-        return self.in_flight[endpoint] > 0 and self.interleaves.get(endpoint, 1.0) < 0.5
+        """The pod runs one call at a time (its engine's profile, refined by ``_started``) and one
+        of ours runs now."""
+        learned = self.interleaves.get(endpoint, self._prior(endpoint))
+        return self.in_flight[endpoint] > 0 and learned is not None and learned < 0.5
+
+    def _prior(self, endpoint: str) -> float | None:
+        """What the pod's engine profile says (1.0: it interleaves calls); None for a pod of no
+        known engine, learned from its first calls alone."""
+        profile = self.engines.get(endpoint)
+        return None if profile is None else 1.0 if profile.continuous else 0.0
 
     async def _dispatch(self, key: BatchKey) -> None:
         """Form and send this key's batches until its queue is empty."""
@@ -393,15 +415,24 @@ class Coordinator:
         ahead = frozenset(calls)
         call = next(self._call_ids)
         calls.add(call)
+        self._sent[call] = time.monotonic()
         return call, ahead
 
-    def _started(self, endpoint: str, ahead: frozenset[int]) -> None:
+    def _started(self, endpoint: str, ahead: frozenset[int], call: int) -> None:
         """A call's first token came back. If calls were ahead of it, learn whether the pod started
-        it while one of them still ran (it interleaves calls) or only once they had all ended."""
+        it while one of them still ran (it interleaves calls) or only once they had all ended, and
+        kept it waiting for them: calls ahead that ended within ``SERIAL_EVIDENCE_S`` of this one's
+        sending say nothing (at low load every call ends before the next one starts)."""
         if not ahead:
             return
-        interleaved = 1.0 if ahead & self._open.get(endpoint, set()) else 0.0
-        before = self.interleaves.get(endpoint)
+        if ahead & self._open.get(endpoint, set()):
+            interleaved = 1.0
+        else:
+            last_end = max((self._ended_at.get(c, 0.0) for c in ahead), default=0.0)
+            if last_end - self._sent.get(call, last_end) < self.serial_evidence_s:
+                return
+            interleaved = 0.0
+        before = self.interleaves.get(endpoint, self._prior(endpoint))
         now = self.interleaves[endpoint] = interleaved if before is None else 0.2 * interleaved + 0.8 * before
         if before is None or (before < 0.5) != (now < 0.5):
             log.info("pod %s %s", endpoint, "runs one call at a time: batches wait while it is busy"
@@ -411,6 +442,11 @@ class Coordinator:
         """A call to ``endpoint`` ended: the pod may have room again for the queues waiting on it."""
         self.in_flight[endpoint] -= 1
         self._open.get(endpoint, set()).discard(call)
+        self._sent.pop(call, None)
+        self._ended_at[call] = time.monotonic()
+        if len(self._ended_at) > ENDED_KEPT:  # only calls that were ahead of one still in flight matter
+            for old in list(self._ended_at)[:ENDED_KEPT // 2]:
+                del self._ended_at[old]
         for waiting_key, wakeup in self._wakeups.items():
             if waiting_key.endpoint == endpoint:
                 wakeup.set()
@@ -433,7 +469,7 @@ class Coordinator:
             # Each read bounded as the HTTP call's socket reads are (sock_read): a hung pod fails the call.
             while (response := await asyncio.wait_for(call.read(), POD_SILENCE_S)) is not grpc.aio.EOF:
                 if ahead:
-                    self._started(key.endpoint, ahead)
+                    self._started(key.endpoint, ahead, call_id)
                     ahead = frozenset()
                 for delta in response.deltas:
                     if not 0 <= delta.index < len(batch):
@@ -476,7 +512,8 @@ class Coordinator:
         assert self.session is not None
         call_id, ahead = self._calling(endpoint)
         finished: set[int] = set()
-        usage = None
+        usage = None  # the whole call's (vLLM: a last chunk with no choices)
+        own: dict[int, Usage] = {}  # each prompt's own (llama.cpp: in that prompt's last chunk)
         try:
             async with self.session.post(
                     f"http://{endpoint}/v1/completions", data=pod_body(key, prompts),
@@ -490,12 +527,19 @@ class Coordinator:
                     if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                         continue
                     chunk = orjson.loads(line[6:])
+                    if not isinstance(chunk, dict):  # llama.cpp marks each further prompt's start `data: null`
+                        continue
                     if ahead:
-                        self._started(endpoint, ahead)
+                        self._started(endpoint, ahead, call_id)
                         ahead = frozenset()
+                    choices: list[dict[str, Any]] = chunk.get("choices") or []
                     if chunk.get("usage"):
-                        usage = chunk["usage"]
-                    for choice in chunk.get("choices") or ():
+                        index = choices[0].get("index", 0) if len(choices) == 1 else None
+                        if index is not None and 0 <= index < len(batch):
+                            own[index] = own_usage(chunk["usage"])
+                        else:
+                            usage = chunk["usage"]
+                    for choice in choices:
                         index = choice.get("index", 0)
                         if not 0 <= index < len(batch):
                             continue
@@ -512,10 +556,12 @@ class Coordinator:
             self._called(endpoint, call_id)
         done = [p for i, p in enumerate(batch) if i in finished]
         pod_usage = usage if len(done) == len(batch) else None
-        for pending, share in zip(batch, shares(pod_usage, [p.member for p in batch], [p.answer.events for p in batch]),
-                                  strict=True):
+        split = shares(pod_usage, [p.member for p in batch], [p.answer.events for p in batch])
+        for index, (pending, share) in enumerate(zip(batch, split, strict=True)):
+            if index in own:
+                share = own[index]
             if pending in done and not pending.gone:
-                if pod_usage is not None and pending.carried:
+                if (pod_usage is not None or index in own) and pending.carried:
                     share = _resumed_usage(share, pending.carried)
                 pending.out.put_nowait(pending.answer.end(share))
                 pending.end()
