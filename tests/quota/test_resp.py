@@ -40,7 +40,7 @@ async def test_deferred_calls_are_written_within_the_batch_interval(redis_server
         assert 0.04 <= time.monotonic() - started < 0.5
         # An urgent call takes the deferred ones along at once.
         deferred = asyncio.ensure_future(connection.call("ECHO", "deferred", later=True))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one turn of the loop, not a wait: the deferred call is queued, unwritten
         started = time.monotonic()
         assert await connection.call("ECHO", "now") == b"now"
         assert await deferred == b"deferred"
