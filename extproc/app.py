@@ -33,7 +33,7 @@ from extproc.cache.semantic import SemanticIndexes
 from extproc.cache.store import CACHE_PATH_ENV, HotKeys, RedisBackend, ResponseCache, SqliteBackend
 from extproc.config import LEDGER_PATH_ENV, QUOTA_PATH_ENV, ConfigError, GatewayConfig, load_config
 from extproc.gateway import Gateway
-from extproc.keys import RedisKeyTable
+from extproc.keys import NO_VERSION, KeySnapshot, RedisKeyTable
 from extproc.ledger import FileLedger, LedgerSink, RedisLedger
 from extproc.memory import HeapTrim
 from extproc.offload import BodyAnalyzer
@@ -268,8 +268,15 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     # Keys stored in Redis: each process polls the table's version (1 s) and swaps in a snapshot,
     # so lookups never wait on Redis and a revoked key stops working within about a second.
     key_table = RedisKeyTable.from_url(config.redis_url) if config.redis_url else None
+
+    def use_keys(snapshot: KeySnapshot) -> None:
+        gateway.set_redis_keys(snapshot)
+        metrics.keys_version.set(snapshot.version)
+
+    if key_table is not None:
+        metrics.keys_version.set(NO_VERSION)
     key_watcher = asyncio.create_task(key_table.watch(
-        gateway.set_redis_keys, config.keys.poll_s, max_stale_s=config.keys.max_stale_s)) if key_table else None
+        use_keys, config.keys.poll_s, max_stale_s=config.keys.max_stale_s)) if key_table else None
     keeper = asyncio.create_task(housekeeping(gateway, settlement, metrics, store, ledger, classifier,
                                               states if scrape.enabled else None, cache))
     follower = asyncio.create_task(cache.follow()) if cache is not None else None

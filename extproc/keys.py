@@ -217,6 +217,7 @@ class RedisKeyTable:
         self.version_key = f"{self.table}:version"
         self.log_key = f"{self.table}:log"
         self.log_length = log_length
+        self.polls = 0  # rounds of ``watch`` finished, answered or not: what a caller can wait on
         self._add = client.register_script(ADD)
         self._revoke = client.register_script(REVOKE)
 
@@ -313,7 +314,8 @@ class RedisKeyTable:
                     max_stale_s: float | None = None) -> NoReturn:
         """Call ``on_change`` with each new snapshot: the first load, then every version change.
 
-        Polls the version once per ``interval_s``; runs until cancelled. A Redis error is logged
+        Polls the version once per ``interval_s`` (each round, answered or not, counts in ``polls``);
+        runs until cancelled. A Redis error is logged
         once per outage and the last snapshot kept; with ``max_stale_s``, an outage that long hands
         ``on_change`` an empty snapshot (no Redis-held key is valid) until Redis answers again.
         ``on_change`` runs on the event loop and should only swap a reference.
@@ -339,6 +341,7 @@ class RedisKeyTable:
                               "it is back", max_stale_s)
                     current = None
                     on_change(KeySnapshot.empty())
+            self.polls += 1
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 # Cancelled inside redis-py, which can turn the cancellation into a TimeoutError

@@ -383,15 +383,24 @@ class SwallowingBackend(CountingBackend):
     """Answers ``added`` and ``shared`` even when cancelled, as redis-py 8.1 does with a command
     cancelled before it started: the cancellation is lost unless the caller looks for it."""
 
-    async def added(self) -> list[bytes]:
+    def __init__(self, inner: CacheBackend) -> None:
+        super().__init__(inner)
+        self.calls = {"added": 0, "shared": 0}
+
+    async def _swallowing(self) -> list[bytes]:
         try:
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0.001)  # the command's round trip, where the cancellation lands
         except asyncio.CancelledError:
             pass
         return []
 
+    async def added(self) -> list[bytes]:
+        self.calls["added"] += 1
+        return await self._swallowing()
+
     async def shared(self) -> list[bytes]:
-        return await self.added()
+        self.calls["shared"] += 1
+        return await self._swallowing()
 
 
 async def test_following_stops_when_cancelled_even_if_the_backend_swallows_it() -> None:
@@ -399,8 +408,8 @@ async def test_following_stops_when_cancelled_even_if_the_backend_swallows_it() 
     cache = ResponseCache(backend)
     follower = asyncio.create_task(cache.follow())
     sharer = asyncio.create_task(cache.follow_shared(lambda records: asyncio.sleep(0)))
-    await eventually(cache.ready.is_set, timeout=2.0)
-    await asyncio.sleep(0.01)
+    # Both loops are going round: each has asked the backend twice.
+    await eventually(lambda: min(backend.calls.values()) >= 2, timeout=2.0, what="both loops polling")
     follower.cancel()
     sharer.cancel()
     done, _ = await asyncio.wait({follower, sharer}, timeout=2.0)

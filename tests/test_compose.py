@@ -16,7 +16,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Mapping
 from concurrent import futures
 from functools import cache
@@ -36,6 +35,7 @@ from extproc.coordinator.server import Coordinator, CoordinatorMetrics, build_ap
 from extproc.telemetry.metrics import GatewayMetrics
 from llmgw_sim.__main__ import parse_args as sim_args
 from llmgw_sim.metrics import SimMetrics
+from tests.helpers import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "compose"
@@ -490,14 +490,14 @@ def test_the_envoy_health_check_passes_against_the_stacks_envoy(tmp_path: Path) 
     check = [shutil.which("bash") or "bash", "-c", test[3].replace("/127.0.0.1/9901", f"/127.0.0.1/{admin}")]
     envoy = subprocess.Popen([envoyconf.envoy_binary(), "-c", str(config), "--use-dynamic-base-id",
                               "--log-level", "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def passes() -> bool:
+        if subprocess.run(check, capture_output=True, timeout=10).returncode == 0:
+            return True
+        assert envoy.poll() is None, "Envoy exited"
+        return False
+
     try:
-        for _ in range(100):
-            if subprocess.run(check, capture_output=True, timeout=10).returncode == 0:
-                break
-            assert envoy.poll() is None, "Envoy exited"
-            time.sleep(0.1)
-        else:
-            pytest.fail("the health check never passed against a live Envoy")
+        wait_for("the health check passing against a live Envoy", passes, 30.0, interval=0.1)
     finally:
         envoy.terminate()
         envoy.wait(timeout=10)

@@ -19,6 +19,7 @@ from extproc.coordinator.merge import CHAT, COMPLETION, Answer, MergeError, pars
 from extproc.coordinator.server import Coordinator, build_app
 from extproc.gateway import Gateway
 from extproc.routing.picker import Picker
+from tests.helpers import eventually
 
 
 def chat(text: str, **extra: object) -> bytes:
@@ -166,11 +167,9 @@ async def test_requests_arriving_while_the_pod_is_busy_leave_together() -> None:
         return {"status": response.status, "size": response.headers["x-llmgw-batch-size"], **(await response.json())}
 
     first = asyncio.create_task(ask(0))  # the pod is idle: it leaves at once, alone
-    while not pod.calls:
-        await asyncio.sleep(0.01)
+    await eventually(lambda: pod.calls, what="the first call at the pod")
     rest = [asyncio.create_task(ask(i)) for i in (1, 2, 3)]  # the pod is busy: they wait, and fill a batch
-    while len(pod.calls) < 2:
-        await asyncio.sleep(0.01)
+    await eventually(lambda: len(pod.calls) >= 2, what="the batch at the pod")
     pod.release.set()
     answers = [await first, *[await task for task in rest]]
     assert pod.calls == [["p0"], ["p1", "p2", "p3"]]  # size 3 reached long before the 5 s window
@@ -407,8 +406,7 @@ async def test_one_span_per_batch_linked_to_its_members_and_parent_of_the_pod_ca
         assert response.status == 200
 
     tasks = [asyncio.create_task(ask(i)) for i in range(2)]
-    while not pod.bodies:
-        await asyncio.sleep(0.01)
+    await eventually(lambda: pod.bodies, what="the batch at the pod")
     pod.release.set()
     await asyncio.gather(*tasks)
     (span,) = exporter.get_finished_spans()
@@ -441,11 +439,8 @@ async def test_pods_that_speak_the_batch_protocol_get_one_call_with_each_prompts
     first = await client.post("/v1/completions", headers=headers,
                               data=orjson.dumps({"model": "llama-3-8b-instruct", "prompt": "hi", "max_tokens": 2}))
     assert first.status == 200  # over HTTP: the pod's answer to "do you speak it?" was not in yet
-    for _ in range(500):
-        if coordinator._protocols.get(endpoint, (None, 0))[0] is not None:
-            break
-        await asyncio.sleep(0.01)
-    assert coordinator._protocols[endpoint][0] is not None
+    await eventually(lambda: coordinator._protocols.get(endpoint, (None, 0))[0] is not None, 5,
+                     what="the pod's answer to \"do you speak the batch protocol?\"")
 
     bodies = [{"prompt": "one", "max_tokens": 3, "temperature": 0.1},
               {"prompt": "two", "max_tokens": 5, "temperature": 0.9, "seed": 7},
@@ -493,10 +488,13 @@ async def _protocol_pod(**options: object) -> tuple[TestClient, int]:
 
 
 async def _protocol_known(coordinator: Coordinator, endpoint: str, address: str) -> None:
-    async with asyncio.timeout(5):
-        while coordinator._protocols.get(endpoint, (None, 0.0))[0] != address:
-            coordinator._protocol_address(endpoint)  # asks again once the old answer is forgotten
-            await asyncio.sleep(0.01)
+    def known() -> bool:
+        if coordinator._protocols.get(endpoint, (None, 0.0))[0] == address:
+            return True
+        coordinator._protocol_address(endpoint)  # asks again once the old answer is forgotten
+        return False
+
+    await eventually(known, 5, what=f"the batch protocol of {endpoint} at {address}", interval=0.01)
 
 
 async def test_a_pod_gone_from_its_batch_protocol_address_is_asked_again() -> None:

@@ -69,19 +69,22 @@ async def start_watcher() -> AsyncIterator[Callable[..., Replica]]:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def polled(table: RedisKeyTable, rounds: int) -> None:
+    """Wait until the watcher of ``table`` has finished ``rounds`` more polls (a failed one counts)."""
+    target = table.polls + rounds
+    await eventually(lambda: table.polls >= target, what=f"{rounds} more polls of the key table")
+
 
 async def _until_done(call: Callable[[], Awaitable[object]], within_s: float) -> None:
     """Run ``call`` until it does not fail for want of Redis (a server just restarted may be slow)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while True:
+    async def done() -> bool:
         try:
             await call()
-            return
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-            if loop.time() > deadline:
-                raise
-            await asyncio.sleep(0.05)
+            return False
+        return True
+
+    await eventually(done, within_s, what="a call to the restarted Redis", interval=0.05)
 
 
 # -- pure core ------------------------------------------------------------------------------------
@@ -249,7 +252,7 @@ async def test_watcher_rides_out_a_table_broken_by_hand(
     await eventually(lambda: len(replica.snapshot) == 1, 2)
     with caplog.at_level(logging.ERROR, logger="llmgw.keys"):
         await table.client.set(table.version_key, "not-a-number")
-        await asyncio.sleep(0.3)
+        await polled(table, 6)  # five at least read the broken version
         assert caplog.text.count("cannot read the key table (ValueError") == 1
     assert replica.snapshot.tenant_name(hash_key(KEY_A)) == "team-a"  # kept
     await table.client.set(table.version_key, 1)  # behind the log: the next change starts a new one
@@ -263,7 +266,7 @@ async def test_watcher_started_while_redis_is_down_loads_when_it_comes_up(
     keys = RedisKeyTable.from_url(durable_redis_server.url, timeout_s=0.2)
     try:
         replica = start_watcher(keys, interval_s=0.05, max_stale_s=0.1)
-        await asyncio.sleep(0.3)
+        await polled(keys, 6)  # six failed polls, five intervals apart: past max_stale_s
         assert (replica.changes, len(replica.snapshot)) == (0, 0)  # nothing to hand over yet
         durable_redis_server.start()
         await keys.add(KEY_A, "team-a")
@@ -296,7 +299,7 @@ async def test_unchanged_table_is_not_reloaded(table: RedisKeyTable, start_watch
     await table.add(KEY_A, "team-a")
     replica = start_watcher(table, interval_s=0.05)
     await eventually(lambda: replica.changes == 1, 2)
-    await asyncio.sleep(0.3)  # six polls, same version
+    await polled(table, 6)  # six polls, same version
     assert replica.changes == 1
 
 
@@ -359,7 +362,7 @@ async def test_outage_keeps_the_last_snapshot_and_resumes(
 
         with caplog.at_level(logging.INFO, logger="llmgw.keys"):
             durable_redis_server.stop()
-            await asyncio.sleep(0.5)  # ten failed polls
+            await polled(keys, 10)  # ten failed polls
             errors = [r for r in caplog.records if r.name == "llmgw.keys" and r.levelno == logging.ERROR]
             assert len(errors) == 1  # logged once per outage, not once per poll
             assert "keeping the last snapshot (2 keys)" in errors[0].getMessage()

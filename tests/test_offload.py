@@ -54,7 +54,7 @@ async def test_a_body_that_would_wait_past_the_bound_is_a_503_at_once() -> None:
         body = orjson.dumps({"model": "llama", "messages": [{"role": "user", "content": "x" * 600_000}]})
         helper.seconds_per_byte = 1e-6
         first = asyncio.ensure_future(helper.analyze(Analyze(Operation.CHAT, body, SERVED, BodyLimits())))
-        await asyncio.sleep(0)  # the first is queued
+        await asyncio.sleep(0)  # one turn of the loop, not a wait: the first counts its bytes as queued
         second = await helper.analyze(Analyze(Operation.CHAT, body, SERVED, BodyLimits()))
         assert isinstance(second, ApiError) and second.status == 503 and second.code == "service_unavailable"
         assert not isinstance(await first, ApiError)

@@ -8,7 +8,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from extproc.routing.podstate import (
     pool_loads,
 )
 from extproc.telemetry.metrics import MULTIPROC_ENV, GatewayMetrics
+from tests.helpers import eventually
 
 REPO = Path(__file__).resolve().parents[1]
 NAN = math.nan
@@ -139,10 +139,8 @@ async def test_a_scrape_landing_sets_the_gauges(tmp_path: Path) -> None:
     states = PodStates(stale_after_s=5.0, on_update=metrics.pool_feed(lambda: {"general": [endpoint]}))
     task = asyncio.create_task(gather_forever(lambda: {endpoint: VLLM}, tmp_path / "pods.json", 0.05, states))
     try:
-        deadline = time.monotonic() + 5
-        while gauge(metrics, "llmgw_pool_pods_known", "general") != 1:
-            assert time.monotonic() < deadline, "the scrape never reached the gauges"
-            await asyncio.sleep(0.01)
+        await eventually(lambda: gauge(metrics, "llmgw_pool_pods_known", "general") == 1, 5,
+                         what="the scrape reaching the gauges")
         assert gauge(metrics, "llmgw_pool_queue_depth", "general") == 6
         assert gauge(metrics, "llmgw_pool_requests_running", "general") == 12
         assert gauge(metrics, "llmgw_pool_kv_cache_usage_ratio", "general") == 0.75

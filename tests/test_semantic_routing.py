@@ -168,7 +168,9 @@ async def test_concurrent_requests_are_embedded_in_one_batch_and_cached(recordin
     recording.batches.clear()
     recording.release.clear()
     first = asyncio.create_task(classifier.classify("fix my python bug"))
-    await asyncio.sleep(0)  # the first text is taken by the thread, which is held
+    # One turn of the loop, not a wait: the first text is queued, and its runner, scheduled ahead of
+    # the rest, hands it alone to the thread, which is held.
+    await asyncio.sleep(0)
     rest = [asyncio.create_task(classifier.classify(t)) for t in ("a joke about dogs", "a joke about cats", "cook")]
     recording.release.set()
     matches = [await first, *[await task for task in rest]]
@@ -185,9 +187,9 @@ async def test_a_full_queue_takes_the_default_route_at_once(recording: Recording
     await classifier.configure(intents)
     recording.release.clear()
     held = asyncio.create_task(classifier.classify("one"))
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # turns of the loop, not waits: "one" goes to the held thread,
     queued = asyncio.create_task(classifier.classify("two"))
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # and "two" waits in the queue
     assert await classifier.classify("three") is None  # two waits already: busy
     assert classifier.stats.outcomes["busy"] == 1
     recording.release.set()

@@ -120,6 +120,10 @@ class GatewayMetrics:
                                ("outcome",), registry=self.registry)
         self.embed_seconds = Counter("llmgw_intent_embedding_seconds", "Time the embedding thread spent",
                                      registry=self.registry)
+        self.keys_version = Gauge(
+            "llmgw_api_keys_version", "Version of the key table in Redis (llmgw keys) that this worker answers "
+            "from: -1 before its first load and after keys.max_stale_s without Redis, 0 with no Redis; the node "
+            "shows its worker most behind", registry=self.registry, multiprocess_mode="livemin")
         self.pods_known = Gauge("llmgw_picker_pods_known", "Pods whose scraped state is fresh (the rest count "
                                 "as unknown to the picker)", registry=self.registry, multiprocess_mode="max")
         self.cache = Counter("llmgw_cache_lookups", "Response cache lookups: hit, hot (of the hits, those the "

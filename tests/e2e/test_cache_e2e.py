@@ -55,11 +55,11 @@ def _ask(info: StackInfo, key: str, text: str, **extra: object) -> tuple[dict[st
 
 def _until_hit(info: StackInfo, key: str, text: str, **extra: object) -> tuple[dict[str, str], object]:
     """The answer is stored once its access-log entry is settled: ask until the cache answers."""
-    deadline = time.monotonic() + 20
-    while True:
+    def hit() -> tuple[dict[str, str], object] | None:
         headers, answer = _ask(info, key, text, **extra)
-        if headers.get("x-llmgw-cache") == "hit" or time.monotonic() > deadline:
-            return headers, answer
+        return (headers, answer) if headers.get("x-llmgw-cache") == "hit" else None
+
+    return wait_for("an answer from the cache", hit, 20.0, interval=0.0)  # each ask takes a round trip
 
 
 def test_a_deterministic_answer_comes_back_from_the_cache_as_json_or_streamed(cached: StackInfo) -> None:
@@ -120,14 +120,13 @@ def test_a_hit_counts_against_requests_not_tokens_and_reaches_the_ledger(cached:
     assert before["x-llmgw-cache"] == after["x-llmgw-cache"] == "hit"
     assert int(after["x-ratelimit-remaining-requests"]) < int(before["x-ratelimit-remaining-requests"])
     ledger = cached.config_path.parent / "usage.jsonl"  # the node's ledger without Redis
-    deadline = time.monotonic() + 10
-    while True:
+
+    def cached_records() -> list[dict[str, object]]:
         records = [orjson.loads(line) for line in ledger.read_bytes().splitlines() if line.strip()]
-        hits = [r for r in records if r.get("kind") == "cached" and r.get("tenant") == "cache-a"]
-        if hits or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert hits and all(r["cost_usd"] == 0 and r["status"] == 200 and r["output_tokens"] > 0 for r in hits)
+        return [r for r in records if r.get("kind") == "cached" and r.get("tenant") == "cache-a"]
+
+    hits = wait_for("a cached answer in the ledger", cached_records, 10.0, interval=0.05)
+    assert all(r["cost_usd"] == 0 and r["status"] == 200 and r["output_tokens"] > 0 for r in hits)
 
 
 def test_a_stampede_of_one_request_is_answered_by_a_few_generations(cached: StackInfo) -> None:

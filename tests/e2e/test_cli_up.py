@@ -127,10 +127,8 @@ class Launched:
 
 def assert_no_orphans(pids: list[int]) -> None:
     """Every one of ``pids`` is gone (the launcher waited for them before it exited)."""
-    deadline = time.monotonic() + 5
-    while (left := [pid for pid in pids if alive(pid)]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not left, f"orphans left behind: {[(pid, cmdline(pid)) for pid in left]}"
+    running = [(pid, cmdline(pid)) for pid in pids if alive(pid)]  # named now: once gone, a pid has no cmdline
+    wait_for(f"none left behind of {running}", lambda: not any(alive(pid) for pid, _ in running), 5.0, 0.05)
 
 
 @dataclass

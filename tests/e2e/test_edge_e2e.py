@@ -33,6 +33,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 from extproc import envoyconf
 from extproc.launcher import LocalStack, ProcessGroup, StackInfo, free_port
 from tests.e2e.conftest import MODEL, small_stack
+from tests.helpers import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUEST_TIMEOUT_S = 2  # request_timeout of the short-timeouts listener (shipped: 60 s)
@@ -478,11 +479,8 @@ def test_connections_past_the_cap_are_closed(lone_pod: tuple[LocalStack, StackIn
         return None
 
     def wait_served() -> socket.socket:
-        deadline = time.monotonic() + 10  # a connection closed just before may still be counted
-        while (sock := served()) is None:
-            assert time.monotonic() < deadline, "no connection accepted under the cap"
-            time.sleep(0.05)
-        return sock
+        # A connection closed just before may still be counted.
+        return wait_for("a connection accepted under the cap", served, 10.0, interval=0.05)
 
     held = [wait_served() for _ in range(MAX_CONNECTIONS)]
     try:

@@ -13,6 +13,7 @@ import pytest
 from extproc.launcher import StackInfo
 from extproc.ledger import read_file
 from tests.e2e.conftest import MAX_BODY, TENANT_KEY
+from tests.helpers import wait_for
 
 MODEL = "llama-3-8b-instruct"
 ALIAS = "gpt-4o-mini"
@@ -271,14 +272,14 @@ def test_body_without_usage_chunk_still_streams(http: httpx.Client) -> None:
 
 def access_record(stack: StackInfo, request_id: str, timeout: float = 5.0) -> dict[str, object]:
     """The JSON access record of a request (written by whichever worker settled it), from the logs."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def found() -> dict[str, object] | None:
         for log in stack.log_dir.glob("extproc-*.log"):
             for line in log.read_text().splitlines():
                 if "llmgw.access" in line and request_id in line:
                     return orjson.loads(line.partition("llmgw.access ")[2])
-        time.sleep(0.05)
-    raise AssertionError(f"no access record for {request_id}")
+        return None
+
+    return wait_for(f"the access record of {request_id}", found, timeout, interval=0.05)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
@@ -297,10 +298,8 @@ def test_access_log_records_usage_and_route(stack: StackInfo, client: openai.Ope
     assert record["server.address"] == destination.split(",")[0]  # the pick (a fallback follows it)
     assert record["llmgw.stream"] is stream and record["llmgw.complete"] is True
     assert record["http.response.status_code"] == 200
-    deadline = time.monotonic() + 3
-    while not (ledger := [r for r in read_file(stack.log_dir.parent / "usage.jsonl") if r.request_id == request_id]):
-        assert time.monotonic() < deadline, "no ledger record"
-        time.sleep(0.05)
+    ledger = wait_for("the ledger record", lambda: [
+        r for r in read_file(stack.log_dir.parent / "usage.jsonl") if r.request_id == request_id], 3.0, interval=0.05)
     assert len(ledger) == 1  # one record per finished request, in the node's file ledger
     assert (ledger[0].tenant, ledger[0].output_tokens) == ("team-a", usage.completion_tokens)
 
@@ -320,10 +319,8 @@ def test_stream_without_include_usage_is_counted_exactly(stack: StackInfo, http:
     with http.stream("POST", "/v1/chat/completions", json=body, headers={"x-request-id": request_id}) as response:
         events = [orjson.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
     assert events and not [e for e in events if e.get("usage")]  # the client got no usage chunk
-    deadline = time.monotonic() + 3
-    while not (found := [r for r in read_file(stack.log_dir.parent / "usage.jsonl") if r.request_id == request_id]):
-        assert time.monotonic() < deadline, "no ledger record"
-        time.sleep(0.05)
+    found = wait_for("the ledger record", lambda: [
+        r for r in read_file(stack.log_dir.parent / "usage.jsonl") if r.request_id == request_id], 3.0, interval=0.05)
     record = found[0]
     # extproc asked the pod for its usage (stream_options.include_usage); Envoy's Lua filter dropped the chunk.
     assert not record.usage_estimated and record.input_tokens > 0 and record.output_tokens == 40

@@ -9,6 +9,7 @@ import openai
 
 from extproc.launcher import StackInfo
 from tests.e2e.conftest import MODEL, RPM_KEY, SOLO_KEY, TENANT_KEY, BackgroundStream
+from tests.helpers import wait_for
 
 HELLO = [{"role": "user", "content": "hi"}]
 
@@ -57,10 +58,12 @@ def test_concurrency_slot_is_released_when_the_client_hangs_up(stack: StackInfo)
 
 def _eventually_admitted(stack: StackInfo, key: str) -> float:
     """Seconds until a request of ``key`` is admitted (polling every 50 ms, up to 5 s)."""
+    def answered() -> httpx.Response | None:
+        answer = _chat(stack, key)
+        return None if answer.status_code == 429 else answer
+
     started = time.monotonic()
-    while (answer := _chat(stack, key)).status_code == 429 and time.monotonic() - started < 5:
-        time.sleep(0.05)
-    assert answer.status_code == 200
+    assert wait_for(f"a request of {key} not refused", answered, 5.0, interval=0.05).status_code == 200
     return time.monotonic() - started
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from extproc.launcher import StackInfo
 from extproc.ledger import UsageRecord, totals
 from llmgw_testing.redis_server import RedisServer, redis_binary
 from tests.e2e.conftest import MODEL, small_stack
+from tests.helpers import wait_for
 
 KEY = "sk-redis-e2e"
 
@@ -85,14 +85,14 @@ def test_ledger_keeps_every_record_across_a_redis_restart(redis_and_stack) -> No
     redis.start()
     send(10, "after")
     client = Redis.from_url(redis.url)
-    deadline = time.monotonic() + 10
     expected = {f"{tag}-{phase}-{i}" for phase in ("before", "during", "after") for i in range(10)}
-    while time.monotonic() < deadline:
+
+    def in_redis() -> list[UsageRecord]:
         records = [UsageRecord.from_json(fields[b"r"]) for _, fields in client.xrange("llmgw:usage")]
-        mine = [r for r in records if r.request_id.startswith(tag)]
-        if {r.request_id for r in mine} >= expected:
-            break
-        time.sleep(0.1)
+        return [r for r in records if r.request_id.startswith(tag)]
+
+    wait_for("every record in Redis", lambda: {r.request_id for r in in_redis()} >= expected, 10.0, interval=0.1)
+    mine = in_redis()
     assert completed == 30 and {r.request_id for r in mine} == expected  # nothing lost
     # Nothing doubled where it counts: an XADD whose reply timed out (Redis stopping, a starved
     # machine) is sent again, and readers count each record id (the gateway's span id) once.

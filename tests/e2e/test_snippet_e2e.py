@@ -10,7 +10,6 @@ through the gRPC access log into the node's ledger.
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ from extproc.launcher import Child, ProcessGroup, StackInfo, wait_http_ok
 from extproc.ledger import UsageRecord, read_file
 from tests.e2e.conftest import MODEL, small_stack
 from tests.e2e.test_envoy_config import unrelated_bootstrap
+from tests.helpers import wait_for
 
 HELLO = [{"role": "user", "content": "hello"}]
 READY_S = 30.0
@@ -45,13 +45,11 @@ class HostEnvoy:
 
 
 def _admin_address(path: Path, envoy: Child) -> str:
-    deadline = time.monotonic() + READY_S
-    while time.monotonic() < deadline:
+    def written() -> str:
         assert envoy.proc.poll() is None, f"envoy exited ({envoy.proc.returncode}): see {envoy.log_path}"
-        if path.is_file() and (address := path.read_text().strip()):
-            return address
-        time.sleep(0.05)
-    raise AssertionError(f"envoy wrote no admin address within {READY_S} s (see {envoy.log_path})")
+        return path.read_text().strip() if path.is_file() else ""
+
+    return wait_for(f"envoy's admin address (see {envoy.log_path})", written, READY_S, interval=0.05)
 
 
 def _listener_ports(admin: str) -> dict[str, int]:
@@ -89,14 +87,10 @@ def _ext_proc_streams(envoy: HostEnvoy) -> int:
 
 def _ledger_record(envoy: HostEnvoy, request_id: str, timeout: float = 10) -> UsageRecord:
     ledger = envoy.stack.log_dir.parent / "usage.jsonl"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = [r for r in read_file(ledger) if r.request_id == request_id] if ledger.exists() else []
-        if found:
-            assert len(found) == 1, found
-            return found[0]
-        time.sleep(0.05)
-    raise AssertionError(f"no ledger record for {request_id}: the access log did not reach extproc")
+    found = wait_for(f"a ledger record for {request_id} (the access log reaching extproc)", lambda: [
+        r for r in read_file(ledger) if r.request_id == request_id] if ledger.exists() else [], timeout, 0.05)
+    assert len(found) == 1, found
+    return found[0]
 
 
 def test_the_host_envoy_s_own_routes_never_meet_extproc(host_envoy: HostEnvoy) -> None:

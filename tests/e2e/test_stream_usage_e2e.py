@@ -19,6 +19,7 @@ from extproc.launcher import StackInfo
 from extproc.ledger import UsageRecord, read_file
 from tests.e2e.conftest import MODEL, TENANT_KEY, small_stack
 from tests.e2e.test_gateway_e2e import access_record, pod_request_with_id
+from tests.helpers import wait_for
 
 HELLO = [{"role": "user", "content": "Say hello to the gateway."}]
 STRIP_HEADER = "x-llmgw-strip-usage"
@@ -31,10 +32,8 @@ def client(stack: StackInfo) -> openai.OpenAI:
 
 def ledger_record(stack: StackInfo, request_id: str, timeout: float = 10.0) -> UsageRecord:
     # Usually there in milliseconds (the access-log entry is sent at once); generous for a loaded machine.
-    deadline = time.monotonic() + timeout
-    while not (found := [r for r in read_file(stack.log_dir.parent / "usage.jsonl") if r.request_id == request_id]):
-        assert time.monotonic() < deadline, f"no ledger record for {request_id}"
-        time.sleep(0.05)
+    found = wait_for(f"a ledger record for {request_id}", lambda: [
+        r for r in read_file(stack.log_dir.parent / "usage.jsonl") if r.request_id == request_id], timeout, 0.05)
     assert len(found) == 1
     return found[0]
 

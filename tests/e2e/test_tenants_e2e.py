@@ -106,9 +106,13 @@ def test_qos_class_from_the_header_with_its_own_limit(redis_and_stack) -> None:
     key = f"sk-qos-{uuid.uuid4().hex}"
     _llmgw_keys(redis, "add", "--tenant", "keyed", "--key", key)
     # Every worker must know the key first (each polls Redis once a second), or a request could
-    # meet one that does not yet and get 401.
-    wait_for("the condition", lambda: _statuses(stack.base_url, key) == {200: 8})
-    time.sleep(1.2)
+    # meet one that does not yet and get 401: the node's metric shows its worker most behind.
+    admin = Redis.from_url(redis.url)
+    try:
+        version = int(admin.get("llmgw:keys:{keys}:version") or 0)  # the table's counter (extproc.keys)
+    finally:
+        admin.close()
+    wait_for("every worker holding the new key", lambda: _metrics(stack)["llmgw_api_keys_version"] >= version)
     assert _statuses(stack.base_url, key, 3, **{"x-llmgw-qos": "batch"}) == {200: 2, 429: 1}  # batch: 2 rpm
     assert _statuses(stack.base_url, key, 3, **{"x-llmgw-qos": "interactive"}) == {200: 3}
     refused = httpx.post(f"{stack.base_url}/v1/chat/completions", timeout=10,
@@ -231,20 +235,22 @@ def test_metrics_sum_the_workers_and_show_a_redis_outage(redis_and_stack) -> Non
     try:
         statuses = _statuses(stack.base_url, TPM_KEY, 4)  # admitted locally: 1/replicas of the limit
         assert set(statuses) <= {200, 429}
-        time.sleep(1.5)  # the workers copy their store's counters once a second
-        during = _metrics(stack)
-        assert during["llmgw_quota_store_degraded"] == 1
-        assert _total(during, "llmgw_quota_store_outages_total") >= 1
-        assert _total(during, "llmgw_quota_local_admissions_total") >= 1
-        assert _total(during, "llmgw_ledger_buffered_records") >= 1  # records wait for Redis
+
+        def outage_shown() -> bool:  # the workers copy their store's counters once a second
+            during = _metrics(stack)
+            return (during["llmgw_quota_store_degraded"] == 1
+                    and _total(during, "llmgw_quota_store_outages_total") >= 1
+                    and _total(during, "llmgw_quota_local_admissions_total") >= 1
+                    and _total(during, "llmgw_ledger_buffered_records") >= 1)  # records wait for Redis
+
+        wait_for("the outage in the metrics", outage_shown, 10.0)
     finally:
         redis.start()
     def recovered() -> bool:  # each worker asks Redis again on its next admission after its retry interval
         _statuses(stack.base_url, TPM_KEY, 2)
         return _metrics(stack)["llmgw_quota_store_degraded"] == 0
 
-    wait_for("the condition", recovered, 10.0)
-    time.sleep(1.2)  # the ledgers flush; the workers copy their counters once a second
-    after = _metrics(stack)
-    assert _total(after, "llmgw_ledger_buffered_records") == 0
-    assert _total(after, "llmgw_ledger_dropped_records_total") == 0
+    wait_for("the quota store back in the metrics", recovered, 10.0)
+    # The ledgers flush; the workers copy their counters once a second.
+    wait_for("the ledgers flushed", lambda: _total(_metrics(stack), "llmgw_ledger_buffered_records") == 0, 10.0)
+    assert _total(_metrics(stack), "llmgw_ledger_dropped_records_total") == 0

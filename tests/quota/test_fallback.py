@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 
@@ -23,9 +22,20 @@ def ask(tenant: str) -> Admission:
     return Admission(tenant, uuid.uuid4().hex, 0)
 
 
+class Clock:
+    """A monotonic clock that moves only when told (``FallbackStore``'s ``retry_s`` runs on it)."""
+
+    def __init__(self) -> None:
+        self.s = 0.0
+
+    def __call__(self) -> float:
+        return self.s
+
+
 async def test_local_share_while_redis_is_down(own_redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
     store = FallbackStore(RedisStore.from_url(own_redis_server.url, timeout_s=0.3), MemoryStore(),
-                          OnStoreError.LOCAL, replicas=2, retry_s=0.2)
+                          OnStoreError.LOCAL, replicas=2, retry_s=0.2, clock=clock)
     try:
         before = await store.admit(ask("acme"), QUOTA)
         assert before.lease is not None and before.lease.store == "redis"
@@ -44,7 +54,9 @@ async def test_local_share_while_redis_is_down(own_redis_server: RedisServer, ca
         await store.release(local_lease, 5)  # a local lease goes back to the local store
 
         own_redis_server.start()  # same port; the server has forgotten the script (NOSCRIPT path)
-        await asyncio.sleep(0.25)  # past retry_s: the next admission asks Redis again
+        await store.admit(ask("acme"), QUOTA)
+        assert store.stats.local_admissions == 9  # Redis is back, but retry_s has not passed
+        clock.s += 0.2  # retry_s later: the next admission asks Redis again
         after = await store.admit(ask("acme"), QUOTA)
         assert after.lease is not None and after.lease.store == "redis"
         assert not store.stats.in_outage

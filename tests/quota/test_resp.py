@@ -40,7 +40,7 @@ async def test_deferred_calls_are_written_within_the_batch_interval(redis_server
         assert 0.04 <= time.monotonic() - started < 0.5
         # An urgent call takes the deferred ones along at once.
         deferred = asyncio.ensure_future(connection.call("ECHO", "deferred", later=True))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one turn of the loop, not a wait: the deferred call is queued, unwritten
         started = time.monotonic()
         assert await connection.call("ECHO", "now") == b"now"
         assert await deferred == b"deferred"
@@ -51,20 +51,20 @@ async def test_deferred_calls_are_written_within_the_batch_interval(redis_server
 
 async def test_a_late_reply_breaks_the_connection_and_the_next_call_reconnects(redis_server: RedisServer) -> None:
     connection = PipelinedConnection(redis_server.url, timeout_s=0.2)
-    blocker = PipelinedConnection(redis_server.url, timeout_s=5.0)
+    admin = PipelinedConnection(redis_server.url, timeout_s=5.0)
     try:
         assert await connection.call("PING") == b"PONG"
-        sleeping = asyncio.ensure_future(blocker.call("DEBUG", "SLEEP", "0.5"))
-        await asyncio.sleep(0.05)
+        # Answered at once, then Redis holds every client's commands for 0.5 s: the next reply is late.
+        assert await admin.call("CLIENT", "PAUSE", "500") == b"OK"
         started = time.monotonic()
         with pytest.raises(TimeoutError):
             await connection.call("PING")
         assert time.monotonic() - started < 0.45  # the caller is not held past its timeout
-        await sleeping
+        assert await admin.call("PING") == b"PONG"  # answered when the pause ends
         assert await connection.call("ECHO", "again") == b"again"
     finally:
         await connection.close()
-        await blocker.close()
+        await admin.close()
 
 
 async def test_outage_then_recovery(own_redis_server: RedisServer) -> None:
@@ -72,7 +72,7 @@ async def test_outage_then_recovery(own_redis_server: RedisServer) -> None:
     try:
         assert await connection.call("SET", "k", "v") == b"OK"
         own_redis_server.stop()
-        await asyncio.sleep(0.05)
+        # Whether or not the connection has seen it close yet, the call fails as an outage.
         with pytest.raises((ConnectionError, TimeoutError)):
             await connection.call("PING")
         own_redis_server.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -12,9 +13,11 @@ import redis.asyncio as aioredis
 from redis.crc import key_slot
 
 from extproc.quota.limits import DAY_MS, Admission, Lease, LimitKind, Limits, Quota, Verdict, month_of
+from extproc.quota.memory import MemoryStore
 from extproc.quota.redis_store import _PRELUDE, RedisStore
 from extproc.quota.store import QuotaStore
 from llmgw_testing.redis_server import RedisServer
+from tests.helpers import eventually
 from tests.quota.workers import Job, open_store, run_processes
 
 MakeStore = Callable[..., QuotaStore]
@@ -29,13 +32,56 @@ def target(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return server.url
 
 
+class StoreClock:
+    """The clock the stores on ``target`` read. A MemoryStore's follows ``time.time`` and ``reach``
+    moves it ahead; Redis's (``TIME`` in the scripts) cannot be moved, so ``reach`` waits for it."""
+
+    def __init__(self, target: str) -> None:
+        self._redis = aioredis.Redis.from_url(target) if target.startswith("redis://") else None
+        self._ahead_ms = 0
+
+    def __call__(self) -> float:
+        """Seconds, like ``time.time`` (what ``MemoryStore(clock=...)`` takes)."""
+        return (time.time_ns() // 1_000_000 + self._ahead_ms) / 1000
+
+    async def reach(self, ms: int) -> None:
+        """Return once the stores' clock reads ``ms`` (a lease's ``expires_ms``, say) or later."""
+        redis = self._redis
+        if redis is None:
+            # One millisecond more: MemoryStore truncates seconds * 1000 to whole milliseconds.
+            self._ahead_ms = max(self._ahead_ms, ms + 1 - time.time_ns() // 1_000_000)
+            return
+
+        async def reached() -> bool:
+            seconds, microseconds = await redis.time()
+            return seconds * 1000 + microseconds // 1000 >= ms  # `now` as the scripts' prelude reads it
+
+        await eventually(reached, what=f"Redis's clock at {ms} ms")
+
+    async def close(self) -> None:
+        """Close the Redis client."""
+        if self._redis is not None:
+            await self._redis.aclose()
+
+
 @pytest.fixture
-async def make_store(target: str) -> AsyncIterator[MakeStore]:
+async def store_clock(target: str) -> AsyncIterator[StoreClock]:
+    """The clock of the stores ``make_store`` opens."""
+    clock = StoreClock(target)
+    yield clock
+    await clock.close()
+
+
+@pytest.fixture
+async def make_store(target: str, store_clock: StoreClock) -> AsyncIterator[MakeStore]:
     """Opens stores on ``target`` (several may share it, like worker processes); closes them after."""
     stores: list[QuotaStore] = []
 
     def make(lease_ttl_s: float = 60.0) -> QuotaStore:
-        stores.append(open_store(target, lease_ttl_s))
+        if target.startswith("redis://"):
+            stores.append(open_store(target, lease_ttl_s))
+        else:
+            stores.append(MemoryStore(target, lease_ttl_s=lease_ttl_s, clock=store_clock))
         return stores[-1]
 
     yield make
@@ -93,7 +139,8 @@ async def test_tpm_and_a_request_too_large(make_store: MakeStore, tenant: str) -
     assert (too_large.refused_by, too_large.retry_after_ms) == (LimitKind.TOKENS, None)  # waiting cannot help
 
 
-async def test_concurrency_leases_release_and_expire(make_store: MakeStore, tenant: str) -> None:
+async def test_concurrency_leases_release_and_expire(make_store: MakeStore, store_clock: StoreClock,
+                                                     tenant: str) -> None:
     store = make_store(lease_ttl_s=0.4)
     quota = Quota(Limits(concurrency=2))
     first, second = await admit_all(store, tenant, quota, [0, 0])
@@ -104,18 +151,19 @@ async def test_concurrency_leases_release_and_expire(make_store: MakeStore, tena
     assert third is not None  # the released slot is free again
     await store.release(first)  # a second release changes nothing
     assert not (await store.admit(ask(tenant), quota)).admitted
-    await asyncio.sleep(0.45)  # nobody released `second` or `third` (their worker "died"): they expire
+    # Nobody released `second` or `third` (their worker "died"): once past their expiry, they are gone.
+    await store_clock.reach(third.expires_ms)
     assert len(await admit_all(store, tenant, quota, [0, 0, 0])) == 2
     assert await store.renew(second) is None  # expired leases cannot be renewed
 
 
-async def test_renew_keeps_a_long_stream_alive(make_store: MakeStore, tenant: str) -> None:
+async def test_renew_keeps_a_long_stream_alive(make_store: MakeStore, store_clock: StoreClock, tenant: str) -> None:
     store = make_store(lease_ttl_s=0.4)
     quota = Quota(Limits(concurrency=1))
     lease = (await store.admit(ask(tenant), quota)).lease
     assert lease is not None
     for _ in range(3):  # 0.75 s in all, longer than the TTL
-        await asyncio.sleep(0.25)
+        await store_clock.reach(lease.expires_ms - 150)  # 0.25 s into the lease's 0.4
         renewed = await store.renew(lease)
         assert renewed is not None and renewed.expires_ms > lease.expires_ms
         lease = renewed

@@ -12,6 +12,7 @@ from aiohttp.test_utils import TestClient
 
 from llmgw_sim.costmodel import CostParams
 from llmgw_sim.faults import FaultConfig
+from tests.helpers import eventually
 from tests.sim.conftest import ClientFactory
 
 MODEL = "llama-3-8b-instruct"
@@ -235,7 +236,7 @@ async def test_continuous_finishes_mixed_workload_sooner(make_client: ClientFact
         client = await make_client(time_scale=1.0, cost=cost, engine=engine)
 
         async def timed(body: object, delay: float, client: TestClient = client) -> float:
-            await asyncio.sleep(delay)
+            await asyncio.sleep(delay)  # the workload itself: the shorts arrive while the long one runs
             start = time.monotonic()
             await (await post(client, "/v1/completions", body)).read()
             return time.monotonic() - start
@@ -307,6 +308,8 @@ async def test_crash_after(make_client: ClientFactory) -> None:
     client = await make_client(exit_process=crashed.set, faults=FaultConfig(crash_after=2))
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
     assert (await post(client, "/v1/completions", body)).status == 200
+    # Not a wait for something to happen: timers run in deadline order, so by the end of this one
+    # an exit the 1st answer had scheduled (the pod's crash delay, 0.05 s) would have run.
     await asyncio.sleep(0.1)
     assert not crashed.is_set()
     assert (await post(client, "/v1/completions", body)).status == 200  # the 2nd is still answered
@@ -341,10 +344,13 @@ async def test_client_disconnect_aborts_stream(make_client: ClientFactory) -> No
     assert metric(busy, "vllm:num_requests_running") == 1
     assert metric(busy, "vllm:kv_cache_usage_perc") > 0  # its prompt and output blocks are reserved
     resp.close()
-    await asyncio.sleep(0.2)
+
+    async def idle() -> bool:
+        text = await (await client.get("/metrics")).text()
+        return metric(text, "vllm:num_requests_running") == 0 and metric(text, "vllm:kv_cache_usage_perc") == 0
+
+    await eventually(idle, 3, what="the pod dropping the request and freeing its blocks")  # 500 steps take 5 s
     text = await (await client.get("/metrics")).text()
-    assert metric(text, "vllm:num_requests_running") == 0
-    assert metric(text, "vllm:kv_cache_usage_perc") == 0
     aborted = [line for line in text.splitlines()
                if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line]
     assert len(aborted) == 1 and aborted[0].endswith(" 1.0")

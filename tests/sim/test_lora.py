@@ -17,6 +17,7 @@ from llmgw_sim.__main__ import parse_args
 from llmgw_sim.costmodel import CostParams
 from llmgw_sim.prefix_cache import block_hashes
 from llmgw_sim.scheduler import SimSequence, make_scheduler
+from tests.helpers import eventually
 from tests.sim.conftest import ClientFactory
 
 BASE = "llama-3-8b-instruct"
@@ -121,14 +122,15 @@ async def test_max_loras_1_serialises_two_adapters_and_the_gauge_shows_it(make_c
 
 
 async def wait_for_info(client: TestClient, running: str, waiting: str, timeout_s: float = 5.0) -> dict[str, str]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        info = await lora_info(client)
-        if info and (info["running_lora_adapters"], info["waiting_lora_adapters"]) == (running, waiting):
-            return info
-        assert time.monotonic() < deadline, \
-            f"lora_requests_info never showed running={running} waiting={waiting}: {info}"
-        await asyncio.sleep(0.005)
+    shown: dict[str, str] = {}
+
+    async def showing() -> bool:
+        shown.clear()
+        shown.update(await lora_info(client) or {})
+        return (shown.get("running_lora_adapters"), shown.get("waiting_lora_adapters")) == (running, waiting)
+
+    await eventually(showing, timeout_s, what=f"lora_requests_info showing running={running} waiting={waiting}")
+    return shown
 
 
 async def test_no_lora_gauge_without_enable_lora(make_client: ClientFactory) -> None:
