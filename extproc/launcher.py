@@ -630,11 +630,17 @@ def _listener_port(admin_url: str) -> int:
 
 
 def _with_endpoints(spec: GatewaySpec, pod_urls: dict[str, list[str]]) -> dict[str, Any]:
-    """The spec as YAML data, simulated pools given their pods' addresses."""
+    """The spec as YAML data, simulated pools given their pods' addresses, and their models the
+    simulated pod's chat template (ChatML) unless the config names another."""
     document = spec.model_dump(mode="json", by_alias=True, exclude_defaults=False)
+    simulated = set()
     for pool in document["pools"]:
         urls = pod_urls.get(pool["name"], [])
         if urls:
             pool["endpoints"] = [*pool["endpoints"], *(u.removeprefix("http://") for u in urls)]
             pool["simulate"] = 0
+            simulated.add(pool["name"])
+    for model in document["models"]:
+        if model["pool"] in simulated and model.get("chat_template") is None:
+            model["chat_template"] = "chatml"
     return document

@@ -215,3 +215,19 @@ def render_chat(messages: object, tools: object = None, template: str = "chatml"
     """Render OpenAI chat ``messages`` (and optional ``tools``) with ``template``, ending with the
     assistant generation prompt, as segments (adjacent text merged into one string)."""
     return to_segments(get_template(template)(messages, tools))
+
+
+class ChatML:
+    """ChatML as one prompt string (``models[].chat_template: chatml``, the simulated pod's
+    template): the batching coordinator's renderer for the models that use it."""
+
+    source = "chatml"
+
+    def __call__(self, messages: object, tools: object = None) -> str:
+        segments = render_chat(messages, tools)
+        if not all(isinstance(segment, str) for segment in segments):
+            raise TemplateError("media parts cannot be rendered as text", "messages")
+        return "".join(segments)  # type: ignore[arg-type]
+
+
+CHATML = ChatML()

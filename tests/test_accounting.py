@@ -12,7 +12,7 @@ from extproc.accounting import (
     USAGE_NONE,
     USAGE_REPORTED,
     Decision,
-    Phase,
+    PhaseTiming,
     ResponseFacts,
     Usage,
     build_record,
@@ -36,8 +36,8 @@ def through_envoy(decision: Decision) -> Decision:
 @pytest.mark.parametrize("decision", [
     pytest.param(make_decision(), id="plain"),
     pytest.param(make_decision(lease=LEASE, n=3, max_tokens=None, parent_span_id="b7ad6b7169203331"), id="leased"),
-    pytest.param(make_decision(phases=(Phase("auth", 1_700_000_000_000_010_000, 20_000),
-                                       Phase("quota", 1_700_000_000_000_100_000, 300_000))), id="phases"),
+    pytest.param(make_decision(phases=(PhaseTiming("auth", 1_700_000_000_000_010_000, 20_000),
+                                       PhaseTiming("quota", 1_700_000_000_000_100_000, 300_000))), id="phases"),
 ])
 def test_decision_survives_envoy_metadata(decision: Decision) -> None:
     assert through_envoy(decision) == decision

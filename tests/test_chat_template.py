@@ -26,7 +26,7 @@ from extproc.chat_template import (
 )
 from extproc.config import ConfigError, parse_config
 from extproc.coordinator.__main__ import chat_templates
-from extproc.coordinator.merge import MergeError, parse
+from extproc.coordinator.merge import MergeError, NoTemplate, parse
 from extproc.coordinator.server import Coordinator, build_app
 from extproc.templates import TemplateError, render_chat
 
@@ -201,15 +201,18 @@ def test_the_coordinator_gets_each_models_template_under_its_name_and_aliases(tm
     spec = document(chat_template=str(path))
     spec["models"].append({"name": "same", "pool": "p", "chat_template": str(path)})
     spec["models"].append({"name": "plain", "pool": "p"})
+    spec["models"].append({"name": "sim", "pool": "p", "chat_template": "chatml"})
     config = parse_config(spec)
     templates = chat_templates(config)
-    assert set(templates) == {"qwen", "gpt-4o-mini", "same"}  # "plain" is rendered with ChatML
+    assert set(templates) == {"qwen", "gpt-4o-mini", "same", "sim"}  # "plain" has none
     assert templates["qwen"] is templates["same"]  # one file, compiled once
     messages = [{"role": "user", "content": "hi"}]
     assert parse(chat_body(messages), "p:1", 1, templates)[1].prompt == "<user>hi<assistant>"
-    assert parse(chat_body(messages, "plain"), "p:1", 1, templates)[1].prompt == \
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    assert parse(chat_body(messages), "p:1", 1)[1].prompt.startswith("<|im_start|>")  # no mapping: ChatML
+    assert parse(chat_body(messages, "sim"), "p:1", 1, templates)[1].prompt == \
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"  # named in the config: ChatML
+    for unknown in (chat_body(messages, "plain"), chat_body(messages)):  # never a guessed template
+        with pytest.raises(NoTemplate):
+            parse(unknown, "p:1", 1, templates if unknown != chat_body(messages) else {})
 
 
 async def test_the_coordinator_sends_the_pod_the_prompt_the_models_template_renders() -> None:

@@ -15,11 +15,19 @@ from aiohttp.test_utils import TestClient, TestServer
 from extproc.accounting import Usage
 from extproc.body import can_batch
 from extproc.config import parse_config
-from extproc.coordinator.merge import CHAT, COMPLETION, Answer, MergeError, parse, pod_body, shares, split
+from extproc.coordinator import merge
+from extproc.coordinator.merge import CHAT, COMPLETION, Answer, BatchKey, Member, MergeError, pod_body, shares, split
 from extproc.coordinator.server import Coordinator, build_app
 from extproc.gateway import Gateway
 from extproc.routing.picker import Picker
+from extproc.templates import CHATML
 from tests.helpers import eventually
+
+CHATS = {"m": CHATML, "llama-3-8b-instruct": CHATML}  # the simulated pod's template, named in the config
+
+
+def parse(body: bytes, endpoint: str, input_tokens: int) -> tuple[BatchKey, Member]:
+    return merge.parse(body, endpoint, input_tokens, CHATS)
 
 
 def chat(text: str, **extra: object) -> bytes:
@@ -91,7 +99,7 @@ def test_extproc_batches_only_what_can_share_a_call() -> None:
 DOCUMENT = {
     "server": {"coordinator": "127.0.0.1:8081"},
     "pools": [{"name": "gpu", "endpoints": ["10.0.0.1:8000"], "batching": {"enabled": True}}],
-    "models": [{"name": "m", "pool": "gpu"}],
+    "models": [{"name": "m", "pool": "gpu", "chat_template": "chatml"}],
     "tenants": [{"name": "t", "keys": [{"env": "KEY"}], "qos": ["balanced", "realtime"]}],
 }
 
@@ -155,7 +163,7 @@ async def test_requests_arriving_while_the_pod_is_busy_leave_together() -> None:
     pod = ScriptedPod()
     pod_client = await _serve(pod.completions)
     endpoint = f"127.0.0.1:{pod_client.port}"
-    coordinator = Coordinator()
+    coordinator = Coordinator(templates=CHATS)
     client = TestClient(TestServer(build_app(coordinator)))
     await client.start_server()
     headers = {"x-gateway-destination-endpoint": endpoint, "x-llmgw-batch": "wait_ms=5000; size=3; tokens=4096",
@@ -220,7 +228,7 @@ async def test_a_batch_cut_mid_answer_is_resumed_on_the_fallback_pod() -> None:
     flaky, steady = FlakyPod(), SteadyPod()
     flaky_client, steady_client = await _serve(flaky.completions), await _serve(steady.completions)
     picks = f"127.0.0.1:{flaky_client.port},127.0.0.1:{steady_client.port}"
-    client = TestClient(TestServer(build_app(Coordinator())))
+    client = TestClient(TestServer(build_app(Coordinator(templates=CHATS))))
     await client.start_server()
     headers = {"x-gateway-destination-endpoint": picks, "x-llmgw-batch": "wait_ms=0", "x-llmgw-input-tokens": "2"}
     streamed = await client.post("/v1/completions", headers=headers, data=orjson.dumps(
@@ -279,7 +287,7 @@ async def _cut_batch(words: int, fallback: WordPod, prompts: list[str], max_toke
     """Two plain clients merged into one call to a pod that dies after ``words`` words each."""
     cutting = await _serve(CuttingPod(words).completions)
     steady = await _serve(fallback.completions)
-    client = TestClient(TestServer(build_app(Coordinator())))
+    client = TestClient(TestServer(build_app(Coordinator(templates=CHATS))))
     await client.start_server()
     headers = {"x-gateway-destination-endpoint": f"127.0.0.1:{cutting.port},127.0.0.1:{steady.port}",
                "x-llmgw-batch": f"wait_ms=5000; size={len(prompts)}", "x-llmgw-input-tokens": "2"}
@@ -325,7 +333,7 @@ async def test_a_failing_pod_and_a_failing_retry_end_in_a_clear_error() -> None:
         return web.Response(status=500, text="boom")
 
     pod = await _serve(broken)
-    client = TestClient(TestServer(build_app(Coordinator())))
+    client = TestClient(TestServer(build_app(Coordinator(templates=CHATS))))
     await client.start_server()
     headers = {"x-gateway-destination-endpoint": f"127.0.0.1:{pod.port}", "x-llmgw-batch": "wait_ms=0"}
     response = await client.post("/v1/completions", headers=headers,
@@ -432,7 +440,7 @@ async def test_pods_that_speak_the_batch_protocol_get_one_call_with_each_prompts
     pod = TestClient(TestServer(pod_app))
     await pod.start_server()
     endpoint = f"127.0.0.1:{pod.port}"
-    coordinator = Coordinator()
+    coordinator = Coordinator(templates=CHATS)
     client = TestClient(TestServer(build_app(coordinator)))
     await client.start_server()
     headers = {"x-gateway-destination-endpoint": endpoint, "x-llmgw-batch": "wait_ms=0"}
@@ -502,7 +510,7 @@ async def test_a_pod_gone_from_its_batch_protocol_address_is_asked_again() -> No
 
     pod, grpc_port = await _protocol_pod()
     endpoint = f"127.0.0.1:{pod.port}"
-    coordinator = Coordinator()
+    coordinator = Coordinator(templates=CHATS)
     client = TestClient(TestServer(build_app(coordinator)))
     await client.start_server()
     # What it learnt before the pod was started again elsewhere: nothing listens there now.
@@ -527,7 +535,7 @@ async def test_a_silent_batch_protocol_call_fails_like_a_silent_http_call(monkey
     monkeypatch.setattr(server, "POD_SILENCE_S", 0.3)
     pod, grpc_port = await _protocol_pod(faults=FaultConfig(hang_rate=1.0))  # accepts calls, never answers
     endpoint = f"127.0.0.1:{pod.port}"
-    coordinator = Coordinator()
+    coordinator = Coordinator(templates=CHATS)
     client = TestClient(TestServer(build_app(coordinator)))
     await client.start_server()
     await _protocol_known(coordinator, endpoint, f"127.0.0.1:{grpc_port}")

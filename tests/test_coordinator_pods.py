@@ -178,3 +178,70 @@ async def test_llamacpp_streams_a_null_event_per_further_prompt_and_each_prompts
     assert all(a["choices"][0]["text"] == "hi" for a in answers)
     await client.close()
     await pod_client.close()
+
+
+async def _chat_pod(rendered: str | None) -> tuple[TestClient, list[tuple[str, dict]]]:
+    """A pod that records what it is sent: a merged completion call, a chat sent alone, and (with
+    ``rendered``) llama.cpp's POST /apply-template."""
+    seen: list[tuple[str, dict]] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()  # the coordinator always streams a merged call
+        seen.append((request.path, body))
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for i, _ in enumerate(body["prompt"]):
+            chunk = {"choices": [{"index": i, "text": "ok", "finish_reason": "stop"}]}
+            await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        usage = {"prompt_tokens": 3, "completion_tokens": 1}
+        await response.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n")
+        return response
+
+    async def chat(request: web.Request) -> web.Response:
+        seen.append((request.path, await request.json()))
+        return web.json_response({"id": "c", "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "alone"}, "finish_reason": "stop"}]})
+
+    async def apply_template(request: web.Request) -> web.Response:
+        seen.append((request.path, await request.json()))
+        return web.json_response({"prompt": rendered})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat)
+    if rendered is not None:
+        app.router.add_post("/apply-template", apply_template)
+    pod = TestClient(TestServer(app))
+    await pod.start_server()
+    return pod, seen
+
+
+CHAT_BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": False}
+
+
+async def test_a_chat_with_no_known_template_goes_to_its_pod_alone_as_it_came() -> None:
+    pod, seen = await _chat_pod(rendered=None)
+    endpoint = f"127.0.0.1:{pod.port}"
+    client = TestClient(TestServer(build_app(Coordinator(engines={endpoint: VLLM}))))
+    await client.start_server()
+    response = await client.post("/v1/chat/completions", data=orjson.dumps(CHAT_BODY), headers={
+        "x-gateway-destination-endpoint": endpoint, "x-llmgw-batch": "wait_ms=0; size=8"})
+    assert response.status == 200 and (await response.json())["choices"][0]["message"]["content"] == "alone"
+    assert seen == [("/v1/chat/completions", CHAT_BODY)]  # never rendered with a guessed template
+    await client.close()
+    await pod.close()
+
+
+async def test_llamacpp_renders_the_chat_itself_for_the_merged_call() -> None:
+    pod, seen = await _chat_pod(rendered="<|im_start|>system\nYou are SmolLM<|im_end|>\n<|im_start|>user\nhi")
+    endpoint = f"127.0.0.1:{pod.port}"
+    client = TestClient(TestServer(build_app(Coordinator(engines={endpoint: LLAMACPP}))))
+    await client.start_server()
+    response = await client.post("/v1/chat/completions", data=orjson.dumps(CHAT_BODY), headers={
+        "x-gateway-destination-endpoint": endpoint, "x-llmgw-batch": "wait_ms=0; size=8"})
+    assert response.status == 200 and (await response.json())["choices"][0]["message"]["content"] == "ok"
+    assert seen[0] == ("/apply-template", {"messages": CHAT_BODY["messages"]})
+    assert seen[1][0] == "/v1/completions"
+    assert seen[1][1]["prompt"] == ["<|im_start|>system\nYou are SmolLM<|im_end|>\n<|im_start|>user\nhi"]
+    await client.close()
+    await pod.close()

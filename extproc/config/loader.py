@@ -33,6 +33,7 @@ from extproc.pricing import Prices
 from extproc.quota.limits import UNLIMITED, Limits
 from extproc.resources import resolve_resource
 from extproc.routing.rules import Match, Range, Rule
+from extproc.templates import CHATML, ChatML
 
 QUOTA_PATH_ENV = "LLMGW_QUOTA_PATH"  # the SQLite quota file a node's extproc workers share
 LEDGER_PATH_ENV = "LLMGW_LEDGER_PATH"  # the usage ledger file (JSON lines) when there is no Redis
@@ -138,9 +139,12 @@ def _tokenizer_path(spec: str | None, where: str) -> Path | None:
         raise ConfigError(f"{where}: {error}") from None
 
 
-def _chat_template(spec: str | None, where: str, compiled: dict[str, JinjaChatTemplate]) -> JinjaChatTemplate | None:
+def _chat_template(spec: str | None, where: str, compiled: dict[str, JinjaChatTemplate]
+                   ) -> JinjaChatTemplate | ChatML | None:
     if spec is None:
         return None
+    if spec == CHATML.source:
+        return CHATML
     if spec not in compiled:
         try:
             compiled[spec] = load_chat_template(spec)

@@ -30,6 +30,7 @@ from extproc.config.schema import (
 from extproc.pricing import Prices
 from extproc.quota.limits import UNLIMITED, Limits, Quota
 from extproc.routing.rules import Rule
+from extproc.templates import ChatML
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +67,9 @@ class Model:
     tokenizer: Path | None = None
     version: str = ""
     lora: bool = False
-    chat_template: JinjaChatTemplate | None = None  # None: ChatML
+    # How chats are rendered into merged prompts; None: by the engine (llama.cpp's /apply-template),
+    # else not merged at all (a guessed template makes a real model answer nonsense)
+    chat_template: JinjaChatTemplate | ChatML | None = None
     cache: CacheSpec | None = None
     fallback: tuple[str, ...] = ()  # models serving its requests while its pool cannot
 

@@ -259,7 +259,8 @@ class ModelSpec(_Strict):
     # heuristic (about 4 characters per token).
     tokenizer: str | None = None
     # The model's Jinja chat template (its tokenizer_config.json or a .jinja file; a path or
-    # pkg:<package>/<file>): the batching coordinator renders chat prompts with it. Without one, ChatML.
+    # pkg:<package>/<file>), or `chatml`: the batching coordinator renders merged chat prompts with it.
+    # Without one, chats are merged only on engines that render them (llama.cpp), else sent alone.
     chat_template: str | None = None
     # The model's version (a checkpoint or deployment tag): sent to the pod as trace baggage and
     # recorded on the request's span (llmgw.model.version).

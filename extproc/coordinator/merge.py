@@ -5,8 +5,9 @@ A merged call is vLLM's ``POST /v1/completions`` with ``prompt`` a list: every p
 call's sampling parameters, so requests are merged only when theirs are equal (``BatchKey``).
 Chat requests are rendered with the model's chat template ending with the assistant's generation
 prompt, which is what a chat endpoint does before generating: the model's own Jinja template when
-the config gives one (``models[].chat_template``, compiled by ``extproc.chat_template`` and handed
-in as ``templates``), else ChatML (as the gateway counts them and the simulated pod encodes them).
+the config gives one (``models[].chat_template``, compiled by ``extproc.chat_template``, or
+``chatml``: the simulated pod's), else the engine's own (llama.cpp's ``/apply-template``, asked by
+the coordinator). With neither, a chat is not merged (``NoTemplate``): it goes to its pod alone.
 
 The pod streams (``stream_options.include_usage``): each chunk carries one choice whose ``index``
 is the prompt's position in the list. vLLM sends usage once, for the whole call; each client's
@@ -27,7 +28,7 @@ from typing import Any, Protocol
 import orjson
 
 from extproc.accounting import Usage
-from extproc.templates import TemplateError, render_chat
+from extproc.templates import TemplateError
 
 # Fields a client sends for itself, not shared by the merged call.
 _OWN_FIELDS = frozenset({"model", "messages", "prompt", "stream", "stream_options", "user", "n", "metadata",
@@ -40,6 +41,11 @@ class MergeError(ValueError):
     """A body the coordinator cannot turn into one prompt (extproc should not have sent it)."""
 
 
+class NoTemplate(MergeError):
+    """A chat whose model has no known chat template: it is sent alone, never in a guessed one."""
+
+
+
 class PromptRenderer(Protocol):
     """A model's chat template: OpenAI ``messages`` (and ``tools``) -> the prompt text, ending with
     the generation prompt; raises ``TemplateError`` for what it cannot render."""
@@ -47,7 +53,7 @@ class PromptRenderer(Protocol):
     def __call__(self, messages: object, tools: object = None) -> str: ...
 
 
-NO_TEMPLATES: Mapping[str, PromptRenderer] = MappingProxyType({})  # every model ChatML
+NO_TEMPLATES: Mapping[str, PromptRenderer] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,15 +110,12 @@ def parse(body: bytes, endpoint: str, input_tokens: int,
 
 
 def _chat_prompt(raw: dict[str, Any], template: PromptRenderer | None) -> str:
+    if template is None:
+        raise NoTemplate(f"no chat template is known for model {raw['model']!r}")
     try:
-        if template is not None:
-            return template(raw["messages"], raw.get("tools"))
-        segments = render_chat(raw["messages"])
+        return template(raw["messages"], raw.get("tools"))
     except TemplateError as error:
         raise MergeError(f"{error.param}: {error}") from None
-    if not all(isinstance(s, str) for s in segments):
-        raise MergeError("media parts cannot share a merged call")
-    return "".join(segments)  # type: ignore[arg-type]
 
 
 # What the batch protocol carries per prompt (protos/llmgw/v1/batch.proto SamplingParams).

@@ -46,6 +46,7 @@ from extproc.coordinator.merge import (
     BatchKey,
     Member,
     MergeError,
+    NoTemplate,
     PromptRenderer,
     own_usage,
     parse,
@@ -188,8 +189,13 @@ class Coordinator:
             tokens = int(request.headers.get(INPUT_TOKENS_HEADER, "0"))
         except ValueError:
             tokens = 0
+        body = await request.read()
+        templates = await self._templates(body, picks[0])
         try:
-            key, member = parse(await request.read(), picks[0], tokens, self.templates)
+            key, member = parse(body, picks[0], tokens, templates)
+        except NoTemplate as why:
+            log.debug("sent alone to %s: %s", picks[0], why)
+            return await self._alone(request, body, picks)
         except MergeError as error:
             return _error(400, f"this request cannot be batched: {error}", "invalid_request_error")
         if self._protocol_address(key.endpoint) is not None and (shared := protocol_key(key, member)) is not None:
@@ -205,21 +211,81 @@ class Coordinator:
             await pending.dispatched.wait()
             headers = {"x-llmgw-batch-id": pending.batch_id, "x-llmgw-batch-size": str(pending.batch_size)}
             if not member.stream:
-                body = await pending.out.get()
-                return web.Response(body=body, status=pending.status, content_type="application/json",
+                answer = await pending.out.get()
+                return web.Response(body=answer, status=pending.status, content_type="application/json",
                                     headers=headers)
             response = web.StreamResponse(headers={**headers, "content-type": "text/event-stream",
                                                    "cache-control": "no-cache"})
-            await response.prepare(request)
-            while (chunk := await pending.out.get()) is not None:
-                await response.write(chunk)
-            await response.write_eof()
+            try:
+                await response.prepare(request)
+                while (chunk := await pending.out.get()) is not None:
+                    await response.write(chunk)
+                await response.write_eof()
+            except ConnectionResetError:  # aiohttp's ClientConnectionResetError too: the client left
+                log.debug("client of batch %s left mid-answer", pending.batch_id)
             return response
         finally:
             pending.gone = True  # answered, or the client went away: nothing more is sent to it
             queue = self.queues.get(key)
             if queue is not None and pending in queue:
                 queue.remove(pending)
+
+    async def _templates(self, body: bytes, endpoint: str) -> Mapping[str, PromptRenderer]:
+        """The chat templates to render ``body`` with: the config's, else, for a chat on an engine
+        that renders its own (llama.cpp's ``POST /apply-template``, whose answer has no BOS: the
+        engine adds its one), that rendering; else the config's alone (the chat is then sent alone)."""
+        profile = self.engines.get(endpoint)
+        if profile is None or profile.template_path is None or b'"messages"' not in body:
+            return self.templates
+        try:
+            raw = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return self.templates
+        model = raw.get("model") if isinstance(raw, dict) else None
+        if not isinstance(model, str) or model in self.templates or not isinstance(raw.get("messages"), list):
+            return self.templates
+        assert self.session is not None
+        try:
+            async with self.session.post(f"http://{endpoint}{profile.template_path}",
+                                         data=orjson.dumps({"messages": raw["messages"]}),
+                                         headers={"content-type": "application/json"},
+                                         timeout=aiohttp.ClientTimeout(total=5)) as response:
+                rendered = (await response.json()).get("prompt") if response.status == 200 else None
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as error:
+            log.debug("pod %s could not render a chat: %s", endpoint, str(error) or type(error).__name__)
+            return self.templates
+        if not isinstance(rendered, str):
+            return self.templates
+        return {**self.templates, model: _Rendered(rendered)}
+
+    async def _alone(self, request: web.Request, body: bytes, picks: list[str]) -> web.StreamResponse:
+        """Forward a request that cannot share a call to its pod as it came (then to the fallback
+        pod if the first cannot be reached), and stream the answer back unchanged."""
+        assert self.session is not None
+        headers = {"content-type": "application/json"}
+        for name in ("traceparent", "baggage", "authorization"):
+            if name in request.headers:
+                headers[name] = request.headers[name]
+        for endpoint in picks[:2]:
+            try:
+                async with self.session.post(f"http://{endpoint}{request.path}", data=body, headers=headers,
+                                             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5,
+                                                                           sock_read=POD_SILENCE_S)) as upstream:
+                    response = web.StreamResponse(status=upstream.status, headers={
+                        "content-type": upstream.headers.get("content-type", "application/json"),
+                        "x-llmgw-batch-size": "1"})
+                    try:
+                        await response.prepare(request)
+                        async for chunk in upstream.content.iter_any():
+                            await response.write(chunk)
+                        await response.write_eof()
+                    except ConnectionResetError:  # the client (or the pod) left mid-answer: nothing to retry
+                        log.debug("a request sent alone to %s was cut mid-answer", endpoint)
+                    return response
+            except aiohttp.ClientConnectionError as error:  # before any answer: the fallback pod may take it
+                log.warning("pod %s could not take a request sent alone: %s", endpoint,
+                            str(error) or type(error).__name__)
+        return _error(502, "no pod could be reached for this request", "upstream_failed")
 
     # -- batching -------------------------------------------------------------------------------
 
@@ -566,6 +632,16 @@ class Coordinator:
                 pending.out.put_nowait(pending.answer.end(share))
                 pending.end()
         return [p for i, p in enumerate(batch) if i not in finished]
+
+
+class _Rendered:
+    """A chat the engine already rendered: the prompt, whatever the messages."""
+
+    def __init__(self, prompt: str) -> None:
+        self.prompt = prompt
+
+    def __call__(self, messages: object, tools: object = None) -> str:
+        return self.prompt
 
 
 def _resumed_usage(usage: Usage, carried: int) -> Usage:

@@ -6,7 +6,9 @@ which the access-log entry that ends the request brings back to whichever worker
 from __future__ import annotations
 
 from extproc.accounting import CACHE_MISS, NAMESPACE
+from extproc.api import Operation
 from extproc.qos import QOS_HEADER
+from extproc.routing.engines import profile_of
 from extproc.routing.router import Router
 from extproc.stages.cache import CACHE_HEADER
 from extproc.state import RequestState
@@ -100,11 +102,14 @@ class Route:
     def _batch_settings(self, state: RequestState) -> str | None:
         """The ``x-llmgw-batch`` value when the request goes to the coordinator, else None: its
         pool batches its class, it can share a call, and the coordinator answers its probes."""
-        pool, facts = state.pool, state.facts
-        assert pool is not None and facts is not None
+        pool, facts, model = state.pool, state.facts, state.model
+        assert pool is not None and facts is not None and model is not None
         settings = pool.batching
         if not (facts.batchable and settings.batches(state.qos) and self.router.coordinator_usable()):
             return None
+        if state.operation is Operation.CHAT and model.chat_template is None \
+                and profile_of(pool.engine).template_path is None:
+            return None  # no template is known to render it into a merged prompt: it goes alone
         group = "" if settings.group_threshold is None else f"; group={settings.group_threshold:g}"
         return (f"wait_ms={settings.wait_ms(state.qos):g}; size={settings.max_batch_size}; "
                 f"tokens={settings.max_batched_tokens}{group}")

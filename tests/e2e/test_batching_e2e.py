@@ -25,6 +25,7 @@ from openai.types.chat import ChatCompletionChunk
 from extproc.coordinator.merge import parse
 from extproc.launcher import LocalStack, StackInfo
 from extproc.ledger import read_file
+from extproc.templates import CHATML
 from tests.e2e.conftest import MODEL, small_stack
 from tests.helpers import wait_for
 
@@ -303,7 +304,7 @@ def cut_batch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CutBatch]:
 
 def _prompt_tokens(url: str, body: dict[str, Any]) -> int:
     """What the pod counts for the prompt the coordinator makes of ``body`` (alone, uncut)."""
-    prompt = parse(orjson.dumps(body), "", 0)[1].prompt
+    prompt = parse(orjson.dumps(body), "", 0, {MODEL: CHATML})[1].prompt  # the simulated pod's template
     answer = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}, timeout=30)
     return int(answer.json()["usage"]["prompt_tokens"])
 
@@ -356,7 +357,7 @@ def test_a_batch_cut_by_its_pod_dying_still_answers_every_member(cut_batch: CutB
 
 def _resumed_part(member: Seen, retry: dict[str, Any]) -> str:
     """The text ``member`` had from the pod that died, if ``retry`` resumed it after that ("" if not)."""
-    prompt = parse(orjson.dumps(member.body), "", 0)[1].prompt
+    prompt = parse(orjson.dumps(member.body), "", 0, {MODEL: CHATML})[1].prompt
     (sent,) = retry["body"]["prompt"]
     return sent[len(prompt):] if sent.startswith(prompt) else ""
 
@@ -417,7 +418,7 @@ def test_a_client_leaving_mid_batch_leaves_the_others_answers_untouched(batching
         _assert_one_stream(seen, tokens)
     # Untouched: word for word what the pod says to the same prompts and seed (a seeded choice's
     # text depends on its own prompt only).
-    prompts = [parse(orjson.dumps(m.body), "", 0)[1].prompt for m in stayed]
+    prompts = [parse(orjson.dumps(m.body), "", 0, {MODEL: CHATML})[1].prompt for m in stayed]
     alone = httpx.post(f"{batching.pod_urls['local'][0]}/v1/completions", timeout=60, json={
         "model": MODEL, "prompt": prompts, "max_tokens": tokens, "ignore_eos": True, "seed": 7,
         "frequency_penalty": 0.0}).json()

@@ -25,7 +25,7 @@ DOCUMENT = {
     "pools": [{"name": "big", "endpoints": ["10.0.0.1:8000", "10.0.0.2:8000"], "credential": {"env": "KEY"},
                "batching": {"enabled": True}},
               {"name": "small", "endpoints": ["10.0.1.1:8000"]}],
-    "models": [{"name": "big-model", "pool": "big", "fallback": ["small-model"]},
+    "models": [{"name": "big-model", "pool": "big", "fallback": ["small-model"], "chat_template": "chatml"},
                {"name": "small-model", "pool": "small"}],
 }
 
@@ -89,3 +89,12 @@ def test_a_batchable_request_goes_to_the_coordinator_while_it_answers_its_probes
     assert "x-llmgw-fallback" not in headers  # the coordinator's own pods answer, no spare model
     route.router.health.probed("127.0.0.1:8081", False)
     assert dict(route.route(_state(config)).set_headers)["x-llmgw-route"] == "direct"
+
+
+def test_a_chat_is_merged_only_where_a_template_is_known_never_with_a_guessed_one() -> None:
+    untemplated = {**DOCUMENT, "models": [{"name": "big-model", "pool": "big"}, DOCUMENT["models"][1]]}
+    route, config = _route(untemplated)
+    assert dict(route.route(_state(config)).set_headers)["x-llmgw-route"] == "direct"  # vLLM renders nothing for us
+    llamacpp = {**untemplated, "pools": [{**DOCUMENT["pools"][0], "engine": "llamacpp"}, DOCUMENT["pools"][1]]}
+    route, config = _route(llamacpp)
+    assert dict(route.route(_state(config)).set_headers)["x-llmgw-route"] == "batch"  # its /apply-template does
