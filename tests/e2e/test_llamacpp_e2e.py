@@ -94,7 +94,7 @@ def test_the_picker_reads_llamacpps_metrics(stack: StackInfo, pods: list[LlamaPo
     assert stack.metrics_url is not None
 
     def known() -> float:
-        text = httpx.get(stack.metrics_url, timeout=10).text  # type: ignore[arg-type]
+        text = httpx.get(stack.metrics_url, timeout=10).text
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("llmgw_pool_pods_known{") and 'llmgw_pool="cpu"' in line)
 
@@ -118,3 +118,56 @@ def test_a_client_that_hangs_up_mid_stream_leaves_the_engine_free(stack: StackIn
         return True
 
     wait_for("both engines idle after the hang-up", idle, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def batching(tmp_path_factory: pytest.TempPathFactory, pods: list[LlamaPod]) -> Iterator[StackInfo]:
+    """The same pods behind a batching pool: chats go through the coordinator."""
+    run_dir = Path(tmp_path_factory.mktemp("llama-batching"))
+    config = run_dir / "llmgw.yaml"
+    config.write_text(yaml.safe_dump({
+        "pools": [{"name": "cpu", "engine": "llamacpp", "endpoints": [pod.endpoint for pod in pods],
+                   "batching": {"enabled": True, "max_wait_ms": {"default": 100}}}],
+        "models": [{"name": MODEL_ALIAS, "pool": "cpu"}],
+        "endpoint_picker": {"scrape": {"interval_s": 0.2}},
+    }))
+    options = StackOptions(config_path=config, run_dir=run_dir, port=0, workers=1, envoy_concurrency=1,
+                           log_level="WARNING")
+    with LocalStack(options) as info:
+        yield info
+
+
+QUESTIONS = ["What is the capital of France?", "Name a colour.", "Say hello.", "Count to three.",
+             "Name a fruit.", "What is two plus two?"]
+
+
+def test_through_the_coordinator_a_chat_gets_the_models_own_template(batching: StackInfo, pods: list[LlamaPod]
+                                                                     ) -> None:
+    gateway = openai.OpenAI(base_url=f"{batching.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    direct = openai.OpenAI(base_url=f"http://{pods[0].endpoint}/v1", api_key="unused", max_retries=0, timeout=60)
+    for question in QUESTIONS[:2]:
+        messages = [{"role": "user", "content": question}]
+        raw = gateway.chat.completions.with_raw_response.create(model=MODEL_ALIAS, messages=messages,
+                                                                max_tokens=10, temperature=0)
+        via, alone = raw.parse(), direct.chat.completions.create(model=MODEL_ALIAS, messages=messages,
+                                                                   max_tokens=10, temperature=0)
+        assert raw.headers["x-llmgw-batch-id"]  # it went through the coordinator
+        assert via.usage is not None and alone.usage is not None
+        # SmolLM2's own template (its system turn included), not ChatML guessed: the same prompt
+        assert via.usage.prompt_tokens == alone.usage.prompt_tokens
+        assert via.choices[0].message.content == alone.choices[0].message.content
+
+
+def test_a_burst_through_the_coordinator_is_answered_whole(batching: StackInfo) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    gateway = openai.OpenAI(base_url=f"{batching.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def ask(question: str) -> tuple[int, str]:
+        raw = gateway.chat.completions.with_raw_response.create(
+            model=MODEL_ALIAS, messages=[{"role": "user", "content": question}], max_tokens=8, temperature=0)
+        return int(raw.headers["x-llmgw-batch-size"]), raw.parse().choices[0].message.content or ""
+
+    with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        answers = list(pool.map(ask, QUESTIONS))
+    assert all(size >= 1 and text for size, text in answers)  # every one answered (llama.cpp's data: null skipped)
