@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: up test lint llama-server unit e2e bench validate clean
+.PHONY: up up-llamacpp test lint llama-server unit e2e bench validate clean
 
 # xds-protos ships an older copy of opentelemetry/proto/common/v1 (Envoy's API imports it); the
 # OTLP exporter needs opentelemetry-proto's own, so that package is installed again last.
@@ -35,6 +35,10 @@ $(VENV)/.dev: $(VENV)/.runtime
 
 up: $(VENV)/.runtime
 	$(VENV)/bin/llmgw up
+
+# the same stack on two real llama.cpp pods (SmolLM2 on CPU); the first run builds llama-server
+up-llamacpp: $(VENV)/.dev llama-server
+	$(VENV)/bin/llmgw up --config config/llamacpp.yaml
 
 test: lint llama-server
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -565,6 +565,8 @@ class LocalStack:
                 served += ["--enable-lora", "--lora-modules", *adapters]
             if pool.batching.enabled:  # the coordinator finds it (GET /llmgw/v1/batch) and uses it
                 served += ["--batch-grpc-port", "0"]
+            if pool.engine == "llamacpp":  # real llama.cpp pods (SmolLM2 on CPU), not simulated ones
+                served = ["llamacpp"]
             for i in range(pool.simulate):
                 child = self.group.spawn(f"pod-{pool.name}-{i + 1}", self._pod_argv(served))
                 started.append((pool.name, child, served))
@@ -583,6 +585,8 @@ class LocalStack:
         return pod_urls
 
     def _pod_argv(self, served: list[str]) -> list[str]:
+        if served == ["llamacpp"]:  # llama-server, built once per machine (a subprocess: nothing imported)
+            return [sys.executable, "-m", "llmgw_testing.llama_server", "serve", "--port", str(free_port())]
         return [sys.executable, "-m", "llmgw_sim", "--host", "127.0.0.1", "--port", str(free_port()),
                 *served, *self.options.sim_args]
 
@@ -639,7 +643,8 @@ def _with_endpoints(spec: GatewaySpec, pod_urls: dict[str, list[str]]) -> dict[s
         if urls:
             pool["endpoints"] = [*pool["endpoints"], *(u.removeprefix("http://") for u in urls)]
             pool["simulate"] = 0
-            simulated.add(pool["name"])
+            if pool.get("engine", "vllm") == "vllm":  # llmgw_sim; llama.cpp pods render their own chats
+                simulated.add(pool["name"])
     for model in document["models"]:
         if model["pool"] in simulated and model.get("chat_template") is None:
             model["chat_template"] = "chatml"

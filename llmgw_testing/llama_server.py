@@ -128,6 +128,15 @@ def _build(source: Path, build: Path, log: bool) -> Path:
     return build / "bin" / "llama-server"
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: the kernel kills it when the process that started it dies (a test
+    or a ``serve`` wrapper killed outright leaves no server behind)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 MODEL_ALIAS = "smollm2"  # the model id the pods list and answer as
 
 
@@ -156,7 +165,7 @@ class LlamaPod:
              "--port", str(self.port), "--parallel", str(self.slots), "--ctx-size", str(self.context),
              "--threads", str(self.threads), "--threads-batch", str(self.threads), "--metrics", "--no-webui",
              "--seed", "1"],
-            stdout=log, stderr=subprocess.STDOUT)
+            stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -179,5 +188,30 @@ class LlamaPod:
         self.proc = None
 
 
+def serve(argv: list[str]) -> int:
+    """``serve --port P [--slots N]``: one pod in the foreground, as ``llmgw up`` starts a pool of
+    ``engine: llamacpp`` (it prints ``READY http://HOST:PORT`` once ``/health`` answers, like the
+    simulated pod, and stops the server with itself)."""
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser(prog="python -m llmgw_testing.llama_server serve")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    pod = LlamaPod(Path(tempfile.gettempdir()), slots=args.slots, threads=args.threads, port=args.port)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `finally` stops the server
+    try:
+        pod.start()
+        print(f"READY http://{pod.endpoint}", flush=True)
+        assert pod.proc is not None
+        return pod.proc.wait()
+    finally:
+        pod.stop()
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["serve"]:
+        sys.exit(serve(sys.argv[2:]))
     print(ensure())

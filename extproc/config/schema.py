@@ -208,7 +208,8 @@ class PoolSpec(_Strict):
 
     name: Annotated[str, Field(pattern=_NAME.pattern)]
     endpoints: list[Annotated[str, AfterValidator(_host_port)]] = Field(default_factory=list)
-    # `llmgw up` starts this many simulated pods and fills `endpoints` with their addresses.
+    # `llmgw up` starts this many pods and fills `endpoints` with their addresses: simulated vLLM pods,
+    # or with `engine: llamacpp` real llama.cpp servers (SmolLM2-135M on CPU; `make up-llamacpp`).
     simulate: Annotated[int, Field(ge=0, le=64)] = 0
     # The inference engine the pods run: the names their load is read under, what the batching
     # coordinator may send them (extproc/routing/engines.py). llamacpp needs `llama-server --metrics`,

@@ -279,3 +279,27 @@ def test_serve_runs_workers_on_one_port_and_stops(tmp_path: Path) -> None:
         assert_no_orphans(children)
     finally:
         launched.kill()
+
+
+@pytest.mark.timeout(300)
+def test_up_on_real_llamacpp_pods_answers_with_real_text(tmp_path: Path) -> None:
+    config = ROOT / "config" / "llamacpp.yaml"  # exactly what `make up-llamacpp` runs
+    launched = Launched.start(
+        [sys.executable, "-m", "extproc.cli", "up", "--config", str(config), "--port", "0",
+         "--workers", "1", "--run-dir", str(tmp_path / "run")],
+        tmp_path / "stderr.txt", env={k: v for k, v in os.environ.items() if k != "LLMGW_DEV_KEY"})
+    try:
+        welcome = launched.read_until("Ctrl-C stops everything", 180)  # two model loads beside the rest
+        example = re.search(r"python - <<'EOF'\n(.*?)\nEOF", welcome, re.S)
+        assert example is not None
+        result = subprocess.run([sys.executable, "-c", example.group(1)], capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 0 and result.stdout.strip(), result.stderr
+        children = children_of(launched.proc.pid)
+        servers = [grand for child in children for grand in children_of(child)
+                   if cmdline(grand)[:1] and cmdline(grand)[0].endswith("llama-server")]
+        assert len(servers) == 2  # two real engines, each under its `serve` wrapper
+        assert launched.stop() == 0, launched.stderr
+        assert_no_orphans(children + servers)
+    finally:
+        launched.kill()
