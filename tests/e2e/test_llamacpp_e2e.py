@@ -171,3 +171,33 @@ def test_a_burst_through_the_coordinator_is_answered_whole(batching: StackInfo) 
     with ThreadPoolExecutor(len(QUESTIONS)) as pool:
         answers = list(pool.map(ask, QUESTIONS))
     assert all(size >= 1 and text for size, text in answers)  # every one answered (llama.cpp's data: null skipped)
+
+
+def _counter(pod: LlamaPod, name: str) -> float:
+    text = httpx.get(f"http://{pod.endpoint}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_prefix_affinity_hits_the_engines_own_prompt_cache(stack: StackInfo, pods: list[LlamaPod],
+                                                           client: openai.OpenAI) -> None:
+    # A system prompt no earlier test sent (~300 tokens), then two questions under it.
+    system = f"Session {uuid.uuid4().hex}. " + " ".join(f"Rule {i}: answer briefly and politely." for i in range(40))
+    before = [_counter(pod, "llamacpp:prompt_tokens_cached_total") for pod in pods]
+    for question in ("What is the first rule?", "What is the last rule?"):
+        client.chat.completions.create(model=MODEL_ALIAS, max_tokens=4, temperature=0, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": question}])
+    reused = [_counter(pod, "llamacpp:prompt_tokens_cached_total") - b for pod, b in zip(pods, before, strict=True)]
+    # The second went to the pod that had the prefix: its engine reused the system prompt's tokens.
+    assert max(reused) >= 200, reused
+
+
+def test_a_killed_pod_costs_no_request(stack: StackInfo, pods: list[LlamaPod], client: openai.OpenAI) -> None:
+    victim = pods[0]
+    victim.stop()  # last in this module: the pod comes back below for nobody's sake but tidiness
+    try:
+        for i in range(6):
+            answer = client.chat.completions.create(model=MODEL_ALIAS, max_tokens=4, temperature=0,
+                                                    messages=[{"role": "user", "content": f"Say {i}."}])
+            assert answer.choices[0].message.content is not None
+    finally:
+        victim.start()
