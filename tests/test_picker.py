@@ -7,7 +7,8 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
-from extproc.config import PickerSpec, WeightsSpec
+from extproc.config import PickerSpec
+from extproc.config.schema import DEFAULT_WEIGHTS
 from extproc.routing.picker import Picker, PickRequest
 from extproc.routing.prefix import PrefixIndex, block_hashes, prefix_hashes
 
@@ -35,8 +36,8 @@ class States:
 
 
 def only(**weights: float) -> PickerSpec:
-    zero = {name: 0.0 for name in WeightsSpec.model_fields}
-    return PickerSpec(kind="scored", weights=WeightsSpec(**{**zero, **weights}))
+    zero = dict.fromkeys(DEFAULT_WEIGHTS, 0.0)
+    return PickerSpec(kind="scored", weights={**zero, **weights})
 
 
 def picker(pods: dict[str, Pod] | None = None, seed: int = 0) -> Picker:

@@ -57,7 +57,6 @@ from extproc.config.schema import (
     ServerSpec,
     TenantSpec,
     TracingSpec,
-    WeightsSpec,
     format_validation_error,
 )
 
@@ -98,7 +97,6 @@ __all__ = [
     "ServerSpec",
     "TenantSpec",
     "TracingSpec",
-    "WeightsSpec",
     "format_validation_error",
     # runtime
     "GatewayConfig",

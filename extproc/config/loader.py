@@ -56,6 +56,7 @@ def parse_config(document: Any, *, env: dict[str, str] | None = None) -> Gateway
 
 def compile_spec(spec: GatewaySpec, *, env: dict[str, str] | os._Environ[str]) -> GatewayConfig:
     """Resolve credentials and build the lookup tables of the snapshot."""
+    _check_scorers(spec)
     pools: dict[str, Pool] = {}
     for i, p in enumerate(spec.pools):
         if not p.endpoints:
@@ -151,6 +152,18 @@ def _chat_template(spec: str | None, where: str, compiled: dict[str, JinjaChatTe
         except ChatTemplateError as error:
             raise ConfigError(f"{where}: {error}") from None
     return compiled[spec]
+
+
+def _check_scorers(spec: GatewaySpec) -> None:
+    """Every weight names a registered scorer (``extproc.routing.scorers``)."""
+    from extproc.routing.scorers import SCORERS  # the registry; routing imports the config, not at load
+
+    pickers = [("endpoint_picker.default", spec.endpoint_picker.default)]
+    pickers += [(f"pools[{i}].picker", p.picker) for i, p in enumerate(spec.pools) if p.picker is not None]
+    for where, picker in pickers:
+        for name in picker.weights:
+            if name not in SCORERS:
+                raise ConfigError(f"{where}.weights.{name}: no such scorer (known: {', '.join(sorted(SCORERS))})")
 
 
 MICRO = 1_000_000  # budgets are counted in micro-dollars

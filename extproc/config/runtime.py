@@ -166,7 +166,7 @@ class GatewayConfig:
     @property
     def prefix_blocks(self) -> tuple[int, int]:
         """(block_chars, max_blocks) when some pool's picker scores prefixes, else (0, 0)."""
-        if any(p.picker.kind == "scored" and p.picker.weights.prefix > 0 for p in self.pools.values()):
+        if any(p.picker.kind == "scored" and p.picker.weights.get("prefix", 0.0) > 0 for p in self.pools.values()):
             prefix = self.endpoint_picker.prefix
             return prefix.block_chars, prefix.max_blocks
         return 0, 0

@@ -14,7 +14,7 @@ import ipaddress
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@-]*$")
@@ -58,14 +58,10 @@ class HealthSpec(_Strict):
     timeout_s: Annotated[float, Field(gt=0, le=60)] = 1.0
 
 
-class WeightsSpec(_Strict):
-    """How much each scorer counts when the picker ranks a pool's pods (each score is 0..1)."""
-
-    queue: Annotated[float, Field(ge=0, le=100)] = 2.0  # fewest requests waiting at the pod
-    kv_cache: Annotated[float, Field(ge=0, le=100)] = 1.0  # most free KV cache
-    in_flight: Annotated[float, Field(ge=0, le=100)] = 1.0  # fewest requests in flight from this node
-    prefix: Annotated[float, Field(ge=0, le=100)] = 2.0  # longest prompt prefix it was sent before
-    lora: Annotated[float, Field(ge=0, le=100)] = 1.0  # has the request's LoRA adapter loaded
+# The scorers' default weights: queue (fewest requests waiting at the pod), kv_cache (most free KV
+# cache), in_flight (fewest requests in flight from this node), prefix (longest prompt prefix it
+# was sent before), lora (has the request's LoRA adapter loaded).
+DEFAULT_WEIGHTS = {"queue": 2.0, "kv_cache": 1.0, "in_flight": 1.0, "prefix": 2.0, "lora": 1.0}
 
 
 class PickerSpec(_Strict):
@@ -73,7 +69,15 @@ class PickerSpec(_Strict):
     at random), or a baseline: ``least_in_flight``, ``round_robin``, ``random``."""
 
     kind: Literal["scored", "least_in_flight", "round_robin", "random"] = "scored"
-    weights: WeightsSpec = Field(default_factory=WeightsSpec)
+    # How much each scorer counts (each scores a pod 0..1), by name: queue 2, kv_cache 1, in_flight 1,
+    # prefix 2, lora 1, or a scorer of your own (a module in extproc/routing/scorers/). A name left
+    # out keeps its default weight; 0 turns a scorer off.
+    weights: dict[str, Annotated[float, Field(ge=0, le=100)]] = Field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
+
+    @field_validator("weights", mode="after")
+    @classmethod
+    def _with_defaults(cls, weights: dict[str, float]) -> dict[str, float]:
+        return {**DEFAULT_WEIGHTS, **weights}
 
 
 class PrefixSpec(_Strict):
