@@ -250,7 +250,8 @@ def test_a_dead_pod_is_retried_around_then_gets_no_traffic(tmp_path_factory: pyt
 
 
 class HungPod:
-    """A pod that answers its health probe but never answers a request (accepts, then silence)."""
+    """A pod that answers its health probe and its scrapes (idle, as attractive as the live pod, so
+    that the picker does send it requests) but never answers a request (accepts, then silence)."""
 
     def __init__(self) -> None:
         self.requests = 0
@@ -278,6 +279,13 @@ class HungPod:
             head = await reader.readuntil(b"\r\n\r\n")
             if head.startswith(b"GET /health"):
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                await writer.drain()
+                continue
+            if head.startswith((b"GET /metrics", b"GET /v1/models")):
+                idle = b"vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0\n"
+                models = b'{"object":"list","data":[{"id":"' + MODEL.encode() + b'"}]}'
+                body = idle if head.startswith(b"GET /metrics") else models
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
                 await writer.drain()
                 continue
             if head.startswith(b"POST "):  # an inference request (not the scrape of /metrics, /v1/models)
