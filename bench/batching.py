@@ -13,7 +13,8 @@ workers and client reach both. Lanes alternate, ``--rounds`` times; medians are 
 
 The pods run ``--engine``: ``continuous`` (vLLM), ``dynamic`` (the server batches what waits) or
 ``static`` (a batch is one call, as a server without a batcher runs them; see
-``llmgw_sim/README.md``). One JSON line; PNG under ``docs/``.
+``llmgw_sim/README.md``), all simulated; or ``llamacpp``: real llama.cpp pods (SmolLM2-135M on
+CPU, 4 slots each: CPU figures, not a GPU's). One JSON line; PNG under ``docs/``.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ LANES = ("direct", "batched")
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
-def config(pods: int) -> dict[str, Any]:
+def config(pods: int, engine: str = "continuous") -> dict[str, Any]:
     """Two pools alike but for batching."""
+    real = {"engine": "llamacpp"} if engine == "llamacpp" else {}
     return {
-        "pools": [{"name": lane, "simulate": pods, "batching": {"enabled": lane == "batched"}} for lane in LANES],
+        "pools": [{"name": lane, "simulate": pods, "batching": {"enabled": lane == "batched"}, **real}
+                  for lane in LANES],
         "models": [{"name": f"model-{lane}", "pool": lane} for lane in LANES],
     }
 
@@ -155,7 +158,7 @@ def plot(result: dict[str, Any], engine: str, path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Start the stack, alternate the lanes, print one JSON line."""
     parser = argparse.ArgumentParser(prog="python -m bench.batching", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--engine", choices=("continuous", "dynamic", "static"), default="continuous")
+    parser.add_argument("--engine", choices=("continuous", "dynamic", "static", "llamacpp"), default="continuous")
     parser.add_argument("--pods", type=int, default=2, help="pods per pool")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--low-rate", type=float, default=None,
@@ -173,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     with TemporaryDirectory(prefix="llmgw-batching-") as tmp:
         run_dir = Path(tmp)
         path = run_dir / "llmgw.yaml"
-        path.write_text(yaml.safe_dump(config(args.pods)))
+        path.write_text(yaml.safe_dump(config(args.pods, args.engine)))
         options = StackOptions(config_path=path, run_dir=run_dir, port=0, workers=2, envoy_concurrency=2,
                                log_level="WARNING", sim_args=("--engine", args.engine, "--log-level", "ERROR",
                                                               "--ignore-eos"))
