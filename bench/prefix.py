@@ -13,6 +13,11 @@ Reported per policy: the prefix-cache hit rate from the pods' own metrics
 time to first token (p50/p99) seen by the clients, streamed, and how often a session's next turn
 went to the pod of its previous turn (from the pods' request records). One JSON line; a PNG plot.
 Targets: hit rate >= 85 % for ``scored``, and its TTFT p50 below both baselines.
+
+``--engine llamacpp`` runs real llama.cpp pods instead (SmolLM2-135M on CPU, 4 slots each: CPU
+figures): the hit rate is then llama.cpp's own (``llamacpp:prompt_tokens_cached_total`` over
+cached plus processed prompt tokens), and stickiness is not reported (the engine keeps no
+request records).
 """
 
 from __future__ import annotations
@@ -28,11 +33,12 @@ from typing import Any
 import aiohttp
 import orjson
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 from rich.progress import Progress
 
 from bench.common import RESULTS, emit, percentile
 from extproc.launcher import LocalStack, StackOptions
+from extproc.routing.engines import PROFILES
+from extproc.routing.podstate import parse_metrics
 
 POLICIES = ("scored", "least_in_flight", "round_robin")
 TARGET_HIT_RATE = 0.85
@@ -52,31 +58,32 @@ def user_turn(rng: random.Random, words: int) -> str:
     return "Question: " + " ".join(rng.choice(WORDS) for _ in range(words)) + "?"
 
 
-def config(pods: int, weights: dict[str, float] | None = None) -> dict[str, Any]:
+def config(pods: int, weights: dict[str, float] | None = None, engine: str = "vllm") -> dict[str, Any]:
     """Three identical pools, one per policy, and one model in each (``weights``: the scored
     picker's, else its defaults)."""
     def picker(policy: str) -> dict[str, Any]:
         return {"kind": policy, **({"weights": weights} if weights and policy == "scored" else {})}
 
     return {
-        "pools": [{"name": policy, "simulate": pods, "picker": picker(policy)} for policy in POLICIES],
+        "pools": [{"name": policy, "simulate": pods, "picker": picker(policy), "engine": engine}
+                  for policy in POLICIES],
         "models": [{"name": f"model-{policy}", "pool": policy} for policy in POLICIES],
         "endpoint_picker": {"scrape": {"interval_s": 0.2}},
     }
 
 
-async def prefix_counters(session: aiohttp.ClientSession, urls: list[str]) -> tuple[float, float]:
-    """(hits, queries) summed over the pods' prefix-cache counters, in tokens."""
+async def prefix_counters(session: aiohttp.ClientSession, urls: list[str], engine: str = "vllm"
+                          ) -> tuple[float, float]:
+    """(hits, queries) summed over the pods' prefix-cache counters, in tokens, read under their
+    engine's names (``extproc.routing.engines``)."""
     hits = queries = 0.0
     for url in urls:
         async with session.get(f"{url}/metrics") as response:
             text = await response.text()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "vllm:prefix_cache_hits_total":
-                    hits += sample.value
-                elif sample.name == "vllm:prefix_cache_queries_total":
-                    queries += sample.value
+        state = parse_metrics(url, text, 0.0, profile=PROFILES[engine])
+        if state is not None:
+            hits += state.prefix_hits
+            queries += state.prefix_queries
     return hits, queries
 
 
@@ -152,7 +159,7 @@ async def run(info: Any, args: argparse.Namespace) -> dict[str, Any]:
     sessions = [(prompts[rng.randrange(len(prompts))], [user_turn(rng, args.user_words) for _ in range(args.turns)])
                 for _ in range(args.sessions)]
     async with aiohttp.ClientSession() as session:
-        before = {p: await prefix_counters(session, info.pod_urls[p]) for p in POLICIES}
+        before = {p: await prefix_counters(session, info.pod_urls[p], args.engine) for p in POLICIES}
     with Progress(transient=True) as progress:
         tasks = {p: progress.add_task(p, total=len(sessions) * args.turns) for p in POLICIES}
         results = await asyncio.gather(*(drive(info.base_url, p, sessions, args.concurrency, args.max_tokens,
@@ -160,11 +167,12 @@ async def run(info: Any, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     async with aiohttp.ClientSession() as session:
         for policy, ttfts in zip(POLICIES, results, strict=True):
-            hits, queries = await prefix_counters(session, info.pod_urls[policy])
+            hits, queries = await prefix_counters(session, info.pod_urls[policy], args.engine)
             hit_rate = (hits - before[policy][0]) / max(1.0, queries - before[policy][1])
             out[policy] = {"hit_rate": round(hit_rate, 4), "ttft_p50_ms": round(percentile(ttfts, 50) * 1000, 1),
-                           "ttft_p99_ms": round(percentile(ttfts, 99) * 1000, 1), "requests": len(ttfts),
-                           "session_stickiness": round(await stickiness(session, info.pod_urls[policy]), 3)}
+                           "ttft_p99_ms": round(percentile(ttfts, 99) * 1000, 1), "requests": len(ttfts)}
+            if args.engine == "vllm":  # the simulated pods keep request records; a real engine does not
+                out[policy]["session_stickiness"] = round(await stickiness(session, info.pod_urls[policy]), 3)
     return out
 
 
@@ -193,6 +201,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Start the stack, run the workload on the three pools at once, print one JSON line."""
     parser = argparse.ArgumentParser(prog="python -m bench.prefix", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine", choices=("vllm", "llamacpp"), default="vllm",
+                        help="simulated vLLM pods, or real llama.cpp ones (SmolLM2 on CPU)")
     parser.add_argument("--pods", type=int, default=4, help="pods per pool")
     parser.add_argument("--system-prompts", type=int, default=12)
     parser.add_argument("--system-words", type=int, default=900, help="about 1.3 tokens each")
@@ -212,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
         run_dir = Path(tmp)
         path = run_dir / "llmgw.yaml"
         weights = {name: float(value) for name, _, value in (w.partition("=") for w in args.weight)}
-        path.write_text(yaml.safe_dump(config(args.pods, weights)))
+        path.write_text(yaml.safe_dump(config(args.pods, weights, args.engine)))
         options = StackOptions(config_path=path, run_dir=run_dir, port=0, workers=args.workers, envoy_concurrency=2,
                                log_level="WARNING", sim_args=(
                                    "--kv-cache-tokens", str(args.kv_cache_tokens),
@@ -228,8 +238,9 @@ def main(argv: list[str] | None = None) -> None:
         "target_met": scored["hit_rate"] >= TARGET_HIT_RATE and all(
             scored["ttft_p50_ms"] < result[p]["ttft_p50_ms"] for p in POLICIES[1:]),
     }
-    plot(result, RESULTS / "prefix.png")
-    emit("prefix", out)
+    name = "prefix" if args.engine == "vllm" else f"prefix-{args.engine}"
+    plot(result, RESULTS / f"{name}.png")
+    emit(name, out)
 
 
 if __name__ == "__main__":
