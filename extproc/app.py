@@ -214,15 +214,11 @@ async def housekeeping(gateway: Gateway, settlement: Settlement, metrics: Gatewa
         await asyncio.sleep(1.0)
 
 
-def _all_endpoints(config: GatewayConfig) -> tuple[str, ...]:
-    return tuple(sorted({endpoint for pool in config.pools.values() for endpoint in pool.endpoints}))
-
-
 async def gather_pod_states(gateway: Gateway, states: PodStates) -> None:
     """The pods' vLLM metrics, scraped by one worker of the node and read by all (the picker's
     queue, KV-cache and LoRA scorers, and QoS shedding)."""
     scrape = gateway.config.endpoint_picker.scrape
-    path = Path(scrape.path) if scrape.path else default_state_path(_all_endpoints(gateway.config))
+    path = Path(scrape.path) if scrape.path else default_state_path(scrape_targets(gateway.config))
     await gather_forever(lambda: scrape_targets(gateway.config), path, scrape.interval_s, states, scrape.timeout_s)
 
 

@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # annotations only: the body-analysis helper imports this mod
 
 Headers = tuple[tuple[str, str], ...]
 JSON_CONTENT_TYPE = ("content-type", "application/json")
+RETRY_SOON: Headers = (("retry-after", "1"),)  # a refusal worth retrying a second later
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,9 +11,7 @@ from extproc.quota.limits import UNLIMITED, Admission, Verdict
 from extproc.quota.replies import UNAVAILABLE, refusal
 from extproc.quota.store import StoreUnavailable
 from extproc.state import RequestState
-from extproc.steps import Admit, Reply
-
-RETRY_SOON = (("retry-after", "1"),)
+from extproc.steps import RETRY_SOON, Admit, Reply
 
 
 class Admissions:

@@ -13,10 +13,8 @@ from extproc.body import NO_RULES, Analysis, BodyLimits, Routing, SemanticRoutin
 from extproc.config import GatewayConfig
 from extproc.routing.intents import IntentMatch
 from extproc.state import RequestState
-from extproc.steps import Analyze, Answer, Classify, Continue, Step
+from extproc.steps import RETRY_SOON, Analyze, Answer, Classify, Continue, Step
 from extproc.tokens import BpeEstimator, TokenEstimator
-
-BUSY = (("retry-after", "1"),)
 
 
 class BodyAnalysis:
@@ -72,7 +70,7 @@ class BodyAnalysis:
         model, else None: on to resolution."""
         if isinstance(analysis, ApiError):
             # 503: the body-analysis helper is too busy to answer within Envoy's message timeout
-            return state.reject(analysis, BUSY if analysis.status == 503 else ())
+            return state.reject(analysis, RETRY_SOON if analysis.status == 503 else ())
         state.facts, state.new_body = analysis.facts, analysis.body
         state.end("tokens")
         if analysis.facts.intent_text is not None:

@@ -16,9 +16,7 @@ from extproc.routing.picker import PodStates
 from extproc.routing.router import Router
 from extproc.stages.identity import model_not_found
 from extproc.state import RequestState
-from extproc.steps import Reply
-
-RETRY_SOON = (("retry-after", "1"),)
+from extproc.steps import RETRY_SOON, Reply
 
 
 @dataclass(frozen=True, slots=True)
