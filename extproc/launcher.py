@@ -48,7 +48,7 @@ class ChildFailed(RuntimeError):
     """A child did not become ready, or exited before it was."""
 
 
-def _die_with_parent() -> Callable[[], None] | None:
+def die_with_parent() -> Callable[[], None] | None:
     """A preexec_fn asking the kernel to SIGTERM the child when this process dies (Linux).
 
     ``prctl`` is looked up here, in the parent: between fork and exec the child may only make
@@ -221,7 +221,7 @@ class ProcessGroup:
             offset = log_file.tell()  # before the child writes (append mode starts at the end)
             proc = subprocess.Popen(
                 list(argv), stdout=subprocess.PIPE if ready_line else log_file, stderr=log_file,
-                stdin=subprocess.DEVNULL, env={**os.environ, **env}, preexec_fn=_die_with_parent(),
+                stdin=subprocess.DEVNULL, env={**os.environ, **env}, preexec_fn=die_with_parent(),
             )
         return proc, offset
 

@@ -29,7 +29,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from extproc.launcher import free_port
+from extproc.launcher import die_with_parent, free_port
 
 SOURCE_PACKAGE = "llama-cpp-python"
 SOURCE_VERSION = "0.3.36"  # vendors llama.cpp as of October 2026
@@ -128,15 +128,6 @@ def _build(source: Path, build: Path, log: bool) -> Path:
     return build / "bin" / "llama-server"
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: the kernel kills it when the process that started it dies (a test
-    or a ``serve`` wrapper killed outright leaves no server behind)."""
-    import ctypes
-    import signal
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 MODEL_ALIAS = "smollm2"  # the model id the pods list and answer as
 
 
@@ -165,7 +156,7 @@ class LlamaPod:
              "--port", str(self.port), "--parallel", str(self.slots), "--ctx-size", str(self.context),
              "--threads", str(self.threads), "--threads-batch", str(self.threads), "--metrics", "--no-webui",
              "--seed", "1"],
-            stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+            stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent())
         log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
