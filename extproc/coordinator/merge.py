@@ -82,12 +82,23 @@ def parse(body: bytes, endpoint: str, input_tokens: int,
           templates: Mapping[str, PromptRenderer] = NO_TEMPLATES) -> tuple[BatchKey, Member]:
     """A client's body -> its batch key and member; ``MergeError`` when it cannot be merged.
     ``templates``: the chat template of each model (by the name in the body) that has its own."""
+    return parse_object(load(body), endpoint, input_tokens, templates)
+
+
+def load(body: bytes) -> dict[str, Any]:
+    """A client's body as a JSON object naming its model; ``MergeError`` otherwise."""
     try:
         raw = orjson.loads(body)
     except orjson.JSONDecodeError as error:
         raise MergeError(f"not JSON: {error}") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("model"), str):
         raise MergeError("no model")
+    return raw
+
+
+def parse_object(raw: dict[str, Any], endpoint: str, input_tokens: int,
+                 templates: Mapping[str, PromptRenderer] = NO_TEMPLATES) -> tuple[BatchKey, Member]:
+    """``parse`` of a body already ``load``-ed."""
     if "messages" in raw:
         kind = CHAT
         prompt = _chat_prompt(raw, templates.get(raw["model"]))

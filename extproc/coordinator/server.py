@@ -48,8 +48,9 @@ from extproc.coordinator.merge import (
     MergeError,
     NoTemplate,
     PromptRenderer,
+    load,
     own_usage,
-    parse,
+    parse_object,
     pod_body,
     protocol_key,
     shares,
@@ -190,9 +191,9 @@ class Coordinator:
         except ValueError:
             tokens = 0
         body = await request.read()
-        templates = await self._templates(body, picks[0])
         try:
-            key, member = parse(body, picks[0], tokens, templates)
+            raw = load(body)
+            key, member = parse_object(raw, picks[0], tokens, await self._templates(raw, picks[0]))
         except NoTemplate as why:
             log.debug("sent alone to %s: %s", picks[0], why)
             return await self._alone(request, body, picks)
@@ -230,19 +231,14 @@ class Coordinator:
             if queue is not None and pending in queue:
                 queue.remove(pending)
 
-    async def _templates(self, body: bytes, endpoint: str) -> Mapping[str, PromptRenderer]:
-        """The chat templates to render ``body`` with: the config's, else, for a chat on an engine
-        that renders its own (llama.cpp's ``POST /apply-template``, whose answer has no BOS: the
-        engine adds its one), that rendering; else the config's alone (the chat is then sent alone)."""
+    async def _templates(self, raw: dict[str, Any], endpoint: str) -> Mapping[str, PromptRenderer]:
+        """The chat templates to render the body ``raw`` with: the config's, else, for a chat on an
+        engine that renders its own (llama.cpp's ``POST /apply-template``, whose answer has no BOS:
+        the engine adds its one), that rendering; else the config's alone (the chat is then sent alone)."""
         profile = self.engines.get(endpoint)
-        if profile is None or profile.template_path is None or b'"messages"' not in body:
-            return self.templates
-        try:
-            raw = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            return self.templates
-        model = raw.get("model") if isinstance(raw, dict) else None
-        if not isinstance(model, str) or model in self.templates or not isinstance(raw.get("messages"), list):
+        model = raw["model"]
+        if profile is None or profile.template_path is None or model in self.templates \
+                or not isinstance(raw.get("messages"), list):
             return self.templates
         assert self.session is not None
         try:
