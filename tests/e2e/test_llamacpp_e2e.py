@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from extproc.launcher import LocalStack, StackInfo, StackOptions
-from extproc.ledger import UsageRecord, read_file
 from llmgw_testing.llama_server import MODEL_ALIAS, LlamaPod
+from tests.e2e.test_stream_usage_e2e import ledger_record
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -35,33 +35,30 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LlamaPod]]:
             pod.stop()
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, pods: list[LlamaPod]) -> Iterator[StackInfo]:
-    run_dir = Path(tmp_path_factory.mktemp("llama-stack"))
+def _gateway(tmp_path_factory: pytest.TempPathFactory, name: str, pods: list[LlamaPod], **pool: object
+             ) -> LocalStack:
+    """Envoy and one extproc worker in front of ``pods`` (one pool of engine llamacpp, with ``pool``'s
+    settings too); start it with ``with``."""
+    run_dir = Path(tmp_path_factory.mktemp(name))
     config = run_dir / "llmgw.yaml"
     config.write_text(yaml.safe_dump({
-        "pools": [{"name": "cpu", "engine": "llamacpp", "endpoints": [pod.endpoint for pod in pods]}],
+        "pools": [{"name": "cpu", "engine": "llamacpp", "endpoints": [pod.endpoint for pod in pods], **pool}],
         "models": [{"name": MODEL_ALIAS, "pool": "cpu"}],
         "endpoint_picker": {"scrape": {"interval_s": 0.2}},
     }))
-    options = StackOptions(config_path=config, run_dir=run_dir, port=0, workers=1, envoy_concurrency=1,
-                           log_level="WARNING", metrics_port=0)
-    with LocalStack(options) as info:
+    return LocalStack(StackOptions(config_path=config, run_dir=run_dir, port=0, workers=1, envoy_concurrency=1,
+                                   log_level="WARNING", metrics_port=0))
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, pods: list[LlamaPod]) -> Iterator[StackInfo]:
+    with _gateway(tmp_path_factory, "llama-stack", pods) as info:
         yield info
 
 
 @pytest.fixture(scope="module")
 def client(stack: StackInfo) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def _ledger(stack: StackInfo, request_id: str) -> UsageRecord:
-    def found() -> list[UsageRecord]:
-        return [r for r in read_file(stack.log_dir.parent / "usage.jsonl") if r.request_id == request_id]
-
-    records = wait_for(f"the ledger record of {request_id}", found)
-    assert len(records) == 1
-    return records[0]
 
 
 def test_a_plain_chat_is_answered_by_the_engine_and_its_own_usage_is_recorded(stack: StackInfo,
@@ -71,7 +68,7 @@ def test_a_plain_chat_is_answered_by_the_engine_and_its_own_usage_is_recorded(st
                                             extra_headers={"x-request-id": request_id})
     assert answer.choices[0].message.content  # real text, from a real model
     assert answer.usage is not None and answer.usage.prompt_tokens > 10  # SmolLM2's template adds its system turn
-    record = _ledger(stack, request_id)
+    record = ledger_record(stack, request_id)
     assert (record.input_tokens, record.output_tokens) == (answer.usage.prompt_tokens, answer.usage.completion_tokens)
     assert record.usage_estimated is False
 
@@ -85,7 +82,7 @@ def test_a_streamed_chat_without_include_usage_is_counted_from_the_engines_usage
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     plain = client.chat.completions.create(model=MODEL_ALIAS, messages=HELLO, max_tokens=12, temperature=0)
     assert text == plain.choices[0].message.content
-    record = _ledger(stack, request_id)
+    record = ledger_record(stack, request_id)
     assert plain.usage is not None and record.input_tokens == plain.usage.prompt_tokens
     assert record.output_tokens == plain.usage.completion_tokens and record.usage_estimated is False
 
@@ -123,17 +120,8 @@ def test_a_client_that_hangs_up_mid_stream_leaves_the_engine_free(stack: StackIn
 @pytest.fixture(scope="module")
 def batching(tmp_path_factory: pytest.TempPathFactory, pods: list[LlamaPod]) -> Iterator[StackInfo]:
     """The same pods behind a batching pool: chats go through the coordinator."""
-    run_dir = Path(tmp_path_factory.mktemp("llama-batching"))
-    config = run_dir / "llmgw.yaml"
-    config.write_text(yaml.safe_dump({
-        "pools": [{"name": "cpu", "engine": "llamacpp", "endpoints": [pod.endpoint for pod in pods],
-                   "batching": {"enabled": True, "max_wait_ms": {"default": 100}}}],
-        "models": [{"name": MODEL_ALIAS, "pool": "cpu"}],
-        "endpoint_picker": {"scrape": {"interval_s": 0.2}},
-    }))
-    options = StackOptions(config_path=config, run_dir=run_dir, port=0, workers=1, envoy_concurrency=1,
-                           log_level="WARNING")
-    with LocalStack(options) as info:
+    with _gateway(tmp_path_factory, "llama-batching", pods,
+                  batching={"enabled": True, "max_wait_ms": {"default": 100}}) as info:
         yield info
 
 
