@@ -635,17 +635,30 @@ def _listener_port(admin_url: str) -> int:
 
 def _with_endpoints(spec: GatewaySpec, pod_urls: dict[str, list[str]]) -> dict[str, Any]:
     """The spec as YAML data, simulated pools given their pods' addresses, and their models the
-    simulated pod's chat template (ChatML) unless the config names another."""
+    simulated pod's chat template (ChatML), or SmolLM2's tokenizer and template for llama.cpp pods,
+    unless the config names others."""
     document = spec.model_dump(mode="json", by_alias=True, exclude_defaults=False)
-    simulated = set()
+    model_files: dict[str, dict[str, str | None]] = {}
     for pool in document["pools"]:
         urls = pod_urls.get(pool["name"], [])
         if urls:
             pool["endpoints"] = [*pool["endpoints"], *(u.removeprefix("http://") for u in urls)]
             pool["simulate"] = 0
-            if pool.get("engine", "vllm") == "vllm":  # llmgw_sim; llama.cpp pods render their own chats
-                simulated.add(pool["name"])
+            if pool.get("engine", "vllm") == "vllm":  # llmgw_sim
+                model_files[pool["name"]] = {"chat_template": "chatml"}
+            elif pool["engine"] == "llamacpp":
+                model_files[pool["name"]] = _smollm2_files()
     for model in document["models"]:
-        if model["pool"] in simulated and model.get("chat_template") is None:
-            model["chat_template"] = "chatml"
+        for field, value in model_files.get(model["pool"], {}).items():
+            if model.get(field) is None:
+                model[field] = value
     return document
+
+
+def _smollm2_files() -> dict[str, str | None]:
+    """SmolLM2's tokenizer.json and chat template, written out of its GGUF by
+    ``llmgw_testing.llama_server`` (a subprocess: the gateway imports nothing of it)."""
+    answer = subprocess.run([sys.executable, "-m", "llmgw_testing.llama_server", "files"], check=True,
+                            capture_output=True, text=True, timeout=300)
+    files: dict[str, str | None] = json.loads(answer.stdout)
+    return files

@@ -27,8 +27,9 @@ from concurrent.futures.process import BrokenProcessPool
 
 from extproc.api import ApiError, Operation
 from extproc.body import Analysis, BodyLimits, Routing, analyze
+from extproc.chat_template import load_chat_template
 from extproc.memory import HeapTrim
-from extproc.steps import Analyze
+from extproc.steps import Analyze, TokenizerSpec
 from extproc.tokens import BpeEstimator, TokenEstimator
 
 log = logging.getLogger("llmgw.offload")
@@ -45,20 +46,20 @@ _ErrorFields = tuple[int, str, str, str | None, str | None]
 
 
 @functools.lru_cache(maxsize=64)
-def _estimator(path: str) -> TokenEstimator:
-    """A tokenizer, loaded once per helper process."""
-    return BpeEstimator.from_spec(path)
+def _estimator(path: str, template: str | None) -> TokenEstimator:
+    """A tokenizer (and the model's chat template), loaded once per helper process."""
+    return BpeEstimator.from_spec(path, chat_template=load_chat_template(template) if template else None)
 
 
 def _analyze_in_helper(operation: Operation, body: bytes, served_names: dict[str, str], limits: BodyLimits,
-                       tokenizers: dict[str, str], routing: Routing
+                       tokenizers: dict[str, TokenizerSpec], routing: Routing
                        ) -> tuple[Analysis | _ErrorFields, float]:
     """The analysis, and the seconds it took (wall time: a helper short of CPU, niced as it is,
     takes longer, and its queue must be bounded by what it really takes)."""
     started = time.perf_counter()
     # An ApiError does not survive pickling (a dataclass exception has no args): send its fields.
     try:
-        estimators = {name: _estimator(path) for name, path in tokenizers.items()}
+        estimators = {name: _estimator(*spec) for name, spec in tokenizers.items()}
         result: Analysis | _ErrorFields = analyze(
             operation, body, served_names, limits, estimators, routing)
     except ApiError as error:

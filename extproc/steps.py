@@ -69,6 +69,11 @@ class Admit:
     quota: Quota
 
 
+# How a model's input is counted: its tokenizer.json, and its own Jinja chat template (a config
+# value, loaded where it is used) or None.
+TokenizerSpec = tuple[str, str | None]
+
+
 @dataclass(frozen=True, slots=True)
 class Analyze:
     """Not an answer yet: a large body, for the shell to analyze off the event loop
@@ -78,7 +83,7 @@ class Analyze:
     body: bytes
     served_names: Mapping[str, str]
     limits: BodyLimits
-    tokenizers: Mapping[str, str] = field(default_factory=dict)  # served name -> tokenizer.json path
+    tokenizers: Mapping[str, TokenizerSpec] = field(default_factory=dict)  # served name -> its counting
     routing: Routing = NO_RULES
 
 

@@ -4,8 +4,9 @@ Pure (no I/O past loading a tokenizer file once): a ``ParsedRequest`` in, a ``To
 broken down into text, chat-template overhead, tool definitions (and schemas), images and audio.
 
 * ``BpeEstimator`` counts with the model's own ``tokenizers`` tokenizer, rendering chats with the
-  very template the server uses (``extproc.templates``), so for text it matches the server's
-  ``usage.prompt_tokens`` exactly (tested against ``llmgw_sim``) up to ``EXACT_CHARS`` of text
+  very template the server uses (``extproc.templates``, or the model's own Jinja template where
+  the config names one), so for text it matches the server's ``usage.prompt_tokens`` exactly
+  (tested against ``llmgw_sim`` and against llama.cpp serving SmolLM2) up to ``EXACT_CHARS`` of text
   per request. Past that a request's long texts are estimated from sampled windows
   (``SampledCounter``): what a request costs to count stops growing with its prompt.
 * ``FallbackEstimator`` is the heuristic for a model without a tokenizer file.
@@ -35,7 +36,7 @@ from tokenizers import Tokenizer
 from extproc.api import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ParsedRequest
 from extproc.media import Base64Bytes, audio_duration, data_url_bytes, image_size
 from extproc.resources import resolve_resource
-from extproc.templates import Media, Turn, get_template, text_runs, to_segments
+from extproc.templates import Media, TemplateError, Turn, get_template, text_runs, to_segments
 
 # ---------------------------------------------------------------------------------------------
 # Rules and results
@@ -229,6 +230,9 @@ class SampledCounter:
 _RNG = random.Random()
 
 
+ChatRenderer = Callable[[object, object], str]  # (messages, tools) -> prompt; TemplateError if it cannot
+
+
 class BpeEstimator:
     """Counts with the model's ``tokenizers`` tokenizer (any ``tokenizer.json``).
 
@@ -238,21 +242,29 @@ class BpeEstimator:
     the whole prompt only when the tokenizer's pre-tokenizer always splits between turns; it is
     checked on a probe conversation at construction, and where it fails the prompt is encoded the
     way the server does (media placeholders split it, nothing else), uncached.
+
+    ``chat_template``: the model's own template (``models[].chat_template``: a default system turn,
+    its own markers). A text-only chat is then rendered with it and the whole prompt counted, as
+    the server does; the named template only splits that total into text and markers. Chats with
+    media, or that it cannot render, are counted turn by turn.
     """
 
     def __init__(self, tokenizer: Tokenizer, rules: CountingRules = CountingRules(), *,
-                 cache_size: int = 4096, cache_max_chars: int = 8192) -> None:
+                 chat_template: ChatRenderer | None = None, cache_size: int = 4096,
+                 cache_max_chars: int = 8192) -> None:
         self.rules = rules
         self._tokenizer = tokenizer
+        self._chat_template = chat_template
         self._template = get_template(rules.template)
         self._cache_max_chars = cache_max_chars
         self._cached: Callable[[str], int] = lru_cache(maxsize=cache_size)(self._encode_len)
         self.turnwise = self._splits_between_turns()
 
     @classmethod
-    def from_spec(cls, spec: str, rules: CountingRules = CountingRules(), **options: int) -> BpeEstimator:
+    def from_spec(cls, spec: str, rules: CountingRules = CountingRules(), *,
+                  chat_template: ChatRenderer | None = None, **options: int) -> BpeEstimator:
         """Load the ``tokenizer.json`` named by ``spec`` (a path or ``pkg:<package>/<file>``)."""
-        return cls(Tokenizer.from_file(str(resolve_resource(spec))), rules, **options)
+        return cls(Tokenizer.from_file(str(resolve_resource(spec))), rules, chat_template=chat_template, **options)
 
     def _encode_len(self, text: str) -> int:
         # No special tokens: the template writes its own markers (as the server encodes it).
@@ -281,12 +293,25 @@ class BpeEstimator:
         count = self.counter()
         if isinstance(request.model, ChatCompletionRequest):
             turns = self._template(request.raw.get("messages"), request.raw.get("tools"))
-            if self.turnwise:
+            rendered = self._rendered(request, turns)
+            if rendered is not None:
+                estimate = _rendered_estimate(rendered, turns, request, count, self.rules)
+            elif self.turnwise:
                 estimate = _chat_estimate(turns, request, count, self.rules, exact=True)
             else:
                 estimate = self._chat_merged(turns, request, count)
             return estimate if count.exact else replace(estimate, exact=False)
         return TokenEstimate(text=_prompt_tokens(request, count), exact=count.exact)
+
+    def _rendered(self, request: ParsedRequest, turns: tuple[Turn, ...]) -> str | None:
+        """The prompt as the model's own template writes it; None without one, for a chat with
+        media (the template sees text only), or one it cannot render (the pod will refuse it)."""
+        if self._chat_template is None or any(isinstance(p, Media) for turn in turns for p in turn.body):
+            return None
+        try:
+            return self._chat_template(request.raw.get("messages"), request.raw.get("tools"))
+        except TemplateError:
+            return None
 
     def _chat_merged(self, turns: tuple[Turn, ...], request: ParsedRequest, count: SampledCounter) -> TokenEstimate:
         """Encode the text runs between media exactly as the server does; attribute afterwards."""
@@ -389,6 +414,17 @@ def _chat_estimate(turns: tuple[Turn, ...], request: ParsedRequest, count: Calla
                     audio += audio_tokens(part, rules)
     tools += _schema_tokens(request, count, rules)
     return TokenEstimate(text, template, tools, images, audio, exact)
+
+
+def _rendered_estimate(prompt: str, turns: tuple[Turn, ...], request: ParsedRequest, count: SampledCounter,
+                       rules: CountingRules) -> TokenEstimate:
+    """The whole ``prompt`` counted (markers, default turns and all, as the server encodes it);
+    the named template's turn-by-turn count only splits it into markers, tools and text."""
+    split = _chat_estimate(turns, request, count, rules, exact=True)
+    total = count(prompt) + _schema_tokens(request, count, rules)
+    template = min(split.template, total)
+    tools = min(split.tools, total - template)
+    return TokenEstimate(text=total - template - tools, template=template, tools=tools)
 
 
 def _schema_tokens(request: ParsedRequest, count: Callable[[str], int], rules: CountingRules) -> int:

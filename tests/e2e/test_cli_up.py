@@ -299,6 +299,11 @@ def test_up_on_real_llamacpp_pods_answers_with_real_text(tmp_path: Path) -> None
         servers = [grand for child in children for grand in children_of(child)
                    if cmdline(grand)[:1] and cmdline(grand)[0].endswith("llama-server")]
         assert len(servers) == 2  # two real engines, each under its `serve` wrapper
+        # The model's own tokenizer and template, from its GGUF: the gateway counts as the engine does
+        resolved = yaml.safe_load((tmp_path / "run" / "llmgw.resolved.yaml").read_text())
+        smollm2 = next(m for m in resolved["models"] if m["name"] == "smollm2")
+        assert Path(smollm2["tokenizer"]).name == "tokenizer.json" and Path(smollm2["tokenizer"]).exists()
+        assert Path(smollm2["chat_template"]).name == "chat_template.jinja"
         assert launched.stop() == 0, launched.stderr
         assert_no_orphans(children + servers)
     finally:

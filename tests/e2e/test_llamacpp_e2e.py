@@ -13,8 +13,11 @@ import openai
 import pytest
 import yaml
 
+from extproc.api import Operation, validate
+from extproc.chat_template import load_chat_template
 from extproc.launcher import LocalStack, StackInfo, StackOptions
-from llmgw_testing.llama_server import MODEL_ALIAS, LlamaPod
+from extproc.tokens import BpeEstimator
+from llmgw_testing.llama_server import MODEL_ALIAS, LlamaPod, model_files
 from tests.e2e.test_stream_usage_e2e import ledger_record
 from tests.helpers import wait_for
 
@@ -41,9 +44,11 @@ def _gateway(tmp_path_factory: pytest.TempPathFactory, name: str, pods: list[Lla
     settings too); start it with ``with``."""
     run_dir = Path(tmp_path_factory.mktemp(name))
     config = run_dir / "llmgw.yaml"
+    files = model_files()  # SmolLM2's own tokenizer and template, from its GGUF: the input is counted as the pod does
     config.write_text(yaml.safe_dump({
         "pools": [{"name": "cpu", "engine": "llamacpp", "endpoints": [pod.endpoint for pod in pods], **pool}],
-        "models": [{"name": MODEL_ALIAS, "pool": "cpu"}],
+        "models": [{"name": MODEL_ALIAS, "pool": "cpu", "tokenizer": str(files.tokenizer),
+                    "chat_template": str(files.chat_template)}],
         "endpoint_picker": {"scrape": {"interval_s": 0.2}},
     }))
     return LocalStack(StackOptions(config_path=config, run_dir=run_dir, port=0, workers=1, envoy_concurrency=1,
@@ -87,24 +92,50 @@ def test_a_streamed_chat_without_include_usage_is_counted_from_the_engines_usage
     assert record.output_tokens == plain.usage.completion_tokens and record.usage_estimated is False
 
 
-def test_the_picker_reads_llamacpps_metrics(stack: StackInfo, pods: list[LlamaPod]) -> None:
+def _pool_gauge(stack: StackInfo, name: str) -> float:
     assert stack.metrics_url is not None
+    text = httpx.get(stack.metrics_url, timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and 'llmgw_pool="cpu"' in line)
 
-    def known() -> float:
-        text = httpx.get(stack.metrics_url, timeout=10).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("llmgw_pool_pods_known{") and 'llmgw_pool="cpu"' in line)
 
-    assert wait_for("both llama.cpp pods known to the picker", lambda: known() == 2)
+def test_the_picker_reads_llamacpps_metrics(stack: StackInfo, pods: list[LlamaPod]) -> None:
+    assert wait_for("both llama.cpp pods known to the picker", lambda: _pool_gauge(stack, "llmgw_pool_pods_known") == 2)
+
+
+CHATS = [
+    HELLO,
+    [{"role": "system", "content": "You answer in French."}, {"role": "user", "content": "What is 1234 + 5678?"}],
+    [{"role": "user", "content": "Translate «café crème» to English, then to 日本語."}],
+    [{"role": "user", "content": "def f(x):\n    return x**2  # square\n\nWhat does f(12) return?"},
+     {"role": "assistant", "content": "It returns 144."}, {"role": "user", "content": "And f(-3)?   "}],
+    [{"role": "user", "content": "Emoji 🎉🎉 and  double  spaces,\ttabs\n\n\nand <|im_end|> typed by a user."}],
+]
+
+
+def test_the_gateway_counts_input_with_the_models_own_tokenizer_as_the_engine_does(pods: list[LlamaPod]) -> None:
+    files = model_files()
+    estimator = BpeEstimator.from_spec(str(files.tokenizer), chat_template=load_chat_template(str(files.chat_template)))
+    for messages in CHATS:
+        body = {"model": MODEL_ALIAS, "messages": messages, "max_tokens": 1}
+        engine = httpx.post(f"http://{pods[0].endpoint}/v1/chat/completions", json=body, timeout=60).json()
+        ours = estimator.estimate(validate(Operation.CHAT, body))
+        assert (ours.total, ours.exact) == (engine["usage"]["prompt_tokens"], True), messages
 
 
 def test_a_client_that_hangs_up_mid_stream_leaves_the_engine_free(stack: StackInfo, pods: list[LlamaPod],
                                                                   client: openai.OpenAI) -> None:
+    request_id = f"gone-{uuid.uuid4()}"
     stream = client.chat.completions.create(model=MODEL_ALIAS, messages=HELLO, max_tokens=400, stream=True,
-                                            extra_body={"ignore_eos": True})
+                                            extra_body={"ignore_eos": True}, extra_headers={"x-request-id": request_id})
     for _ in zip(range(3), stream, strict=False):
         pass
     stream.close()  # the client goes away after three chunks
+    # The pod never sent its usage: the input is the gateway's count, which is the engine's own.
+    record = ledger_record(stack, request_id)
+    plain = client.chat.completions.create(model=MODEL_ALIAS, messages=HELLO, max_tokens=1)
+    assert record.usage_estimated and plain.usage is not None
+    assert record.input_tokens == plain.usage.prompt_tokens
 
     def idle() -> bool:
         for pod in pods:
@@ -179,7 +210,36 @@ def test_prefix_affinity_hits_the_engines_own_prompt_cache(stack: StackInfo, pod
     assert max(reused) >= 200, reused
 
 
+def _busy(pod: LlamaPod) -> bool:
+    return pod.proc is not None and _counter(pod, "llamacpp:requests_processing") > 0
+
+
+def test_a_merged_answer_cut_by_a_killed_pod_is_resumed_on_the_other(batching: StackInfo, pods: list[LlamaPod]
+                                                                     ) -> None:
+    gateway = openai.OpenAI(base_url=f"{batching.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    request_id = f"resumed-{uuid.uuid4()}"
+    stream = gateway.chat.completions.create(
+        model=MODEL_ALIAS, messages=[{"role": "user", "content": "Tell me a long story about a lighthouse."}],
+        max_tokens=60, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        extra_headers={"x-request-id": request_id})
+    chunks = [next(stream) for _ in range(6)]  # the answer has begun, on one of the pods
+    victim = next(pod for pod in pods if _busy(pod))
+    victim.stop()
+    try:
+        chunks += list(stream)  # the coordinator carries on, on the other pod, after what was sent
+    finally:
+        victim.start()
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"] and text.strip()
+    record = ledger_record(batching, request_id)
+    # One answer of max_tokens: the tokens sent before the cut, and the rest from the retry.
+    assert record.status == 200 and abs(record.output_tokens - 60) <= 2, record
+
+
 def test_a_killed_pod_costs_no_request(stack: StackInfo, pods: list[LlamaPod], client: openai.OpenAI) -> None:
+    # Both pods answer the gateway's probes (an earlier test may have just brought one back).
+    assert wait_for("both pods healthy", lambda: _pool_gauge(stack, "llmgw_pool_pods_healthy") == 2)
     victim = pods[0]
     victim.stop()  # last in this module: the pod comes back below for nobody's sake but tidiness
     try:
