@@ -256,7 +256,7 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     ready(bound)
     # The helper process for large bodies starts (~1 s of imports) while small ones are served.
     warming = asyncio.create_task(analyzer.start())
-    prober = asyncio.create_task(probe_forever(lambda: gateway.config, gateway.router.health))
+    prober = asyncio.create_task(probe_forever(lambda: gateway.config, gateway.router.health, metrics.pods_healthy))
     gatherer = asyncio.create_task(gather_pod_states(gateway, states)) if scrape.enabled else None
     reload_now = asyncio.Event()  # SIGHUP: reload the config file now
     watcher = asyncio.create_task(watch_config(config_path, gateway, classifier=classifier, wake=reload_now)

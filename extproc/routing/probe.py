@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import aiohttp
 
@@ -26,8 +26,10 @@ async def _probe(session: aiohttp.ClientSession, pool: Pool, endpoint: str) -> b
         return False
 
 
-async def probe_forever(config: Callable[[], GatewayConfig], health: EndpointHealth) -> None:
-    """Probe every pool's endpoints, each round as often as the most eager pool asks; log changes."""
+async def probe_forever(config: Callable[[], GatewayConfig], health: EndpointHealth,
+                        on_round: Callable[[Mapping[str, int]], None] | None = None) -> None:
+    """Probe every pool's endpoints, each round as often as the most eager pool asks; log changes,
+    and give ``on_round`` how many pods of each pool answered."""
     connector = aiohttp.TCPConnector(limit=0, force_close=True)  # a dead pod must not keep a pooled socket
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
         while True:
@@ -44,4 +46,7 @@ async def probe_forever(config: Callable[[], GatewayConfig], health: EndpointHea
                     else:
                         log.warning("pod %s of pool %s failed its health probe: no traffic until it answers",
                                     endpoint, pool.name)
+            if on_round is not None:
+                answered = {(pool.name, endpoint): ok for (pool, endpoint), ok in zip(targets, results, strict=True)}
+                on_round({p.name: sum(answered[p.name, e] for e in dict.fromkeys(p.endpoints)) for p in pools})
             await asyncio.sleep(min((p.health.interval_s for p in pools), default=1.0))

@@ -140,24 +140,27 @@ class GatewayMetrics:
         self.fallbacks = Counter("llmgw_fallbacks", "Requests served by a fallback model because the pool of the "
                                  "model asked for had its breaker open", ("from_model", "to_model"),
                                  registry=self.registry)
-        # Pool load from the pods' own vLLM metrics (no GenAI convention exists for these): every
+        # Pool load from the pods' own metrics (no GenAI convention exists for these): every
         # worker of a node reads the same snapshot, so the node's value is the most recent one set.
         pool = ("llmgw_pool",)
         self.pool_queue_depth = Gauge(
-            "llmgw_pool_queue_depth", "Requests waiting on the pool's pods: vllm:num_requests_waiting summed "
-            "over the pods with fresh scraped state (NaN while none is known)", pool, registry=self.registry,
-            multiprocess_mode="mostrecent")
+            "llmgw_pool_queue_depth", "Requests waiting on the pool's pods (vllm:num_requests_waiting, or its "
+            "engine's own name) summed over the pods with fresh scraped state (NaN while none is known)", pool,
+            registry=self.registry, multiprocess_mode="mostrecent")
         self.pool_running = Gauge(
-            "llmgw_pool_requests_running", "Requests running on the pool's pods: vllm:num_requests_running "
-            "summed over the pods with fresh scraped state (NaN while none is known)", pool,
+            "llmgw_pool_requests_running", "Requests running on the pool's pods (vllm:num_requests_running, or "
+            "its engine's own name) summed over the pods with fresh scraped state (NaN while none is known)", pool,
             registry=self.registry, multiprocess_mode="mostrecent")
         self.pool_kv_usage = Gauge(
             "llmgw_pool_kv_cache_usage_ratio", "Mean KV-cache usage (0..1) of the pool's pods with fresh scraped "
-            "state, from vllm:kv_cache_usage_perc (NaN while none is known)", pool, registry=self.registry,
-            multiprocess_mode="mostrecent")
+            "state that report it (vllm:kv_cache_usage_perc, or its engine's own; NaN while none is known)", pool,
+            registry=self.registry, multiprocess_mode="mostrecent")
         self.pool_pods_known = Gauge(
             "llmgw_pool_pods_known", "Pods of the pool with fresh scraped state (the others are left out of "
             "the pool's load)", pool, registry=self.registry, multiprocess_mode="mostrecent")
+        self.pool_pods_healthy = Gauge(
+            "llmgw_pool_pods_healthy", "Pods of the pool that answered their last health probe (the others get "
+            "no traffic)", pool, registry=self.registry, multiprocess_mode="mostrecent")
         self._pools_seen: set[str] = set()
         self._seen = (0, 0, 0)  # the store's outages, local admissions and lost settlements, as last synced
         self._dropped = 0
@@ -196,6 +199,11 @@ class GatewayMetrics:
         for name, load in loads.items():
             self._set_pool(name, load)
         self._pools_seen = set(loads)
+
+    def pods_healthy(self, pools: Mapping[str, int]) -> None:
+        """Each pool's pods that answered the last round of health probes (``probe_forever``)."""
+        for name, healthy in pools.items():
+            self.pool_pods_healthy.labels(name).set(healthy)
 
     def _set_pool(self, name: str, load: PoolLoad) -> None:
         self.pool_queue_depth.labels(name).set(load.waiting)
