@@ -40,10 +40,11 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 def config(pods: int, engine: str = "continuous") -> dict[str, Any]:
-    """Two pools alike but for batching."""
+    """Two pools alike but for batching (merged calls whatever the engine: that is what is measured)."""
     real = {"engine": "llamacpp"} if engine == "llamacpp" else {}
     return {
-        "pools": [{"name": lane, "simulate": pods, "batching": {"enabled": lane == "batched"}, **real}
+        "pools": [{"name": lane, "simulate": pods, "batching": {"enabled": lane == "batched", "merge": "always"},
+                   **real}
                   for lane in LANES],
         "models": [{"name": f"model-{lane}", "pool": lane} for lane in LANES],
     }

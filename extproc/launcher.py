@@ -35,6 +35,7 @@ from prometheus_client import multiprocess
 from extproc import envoyconf
 from extproc.cache.store import CACHE_PATH_ENV
 from extproc.config import LEDGER_PATH_ENV, QUOTA_PATH_ENV, GatewaySpec, load_spec
+from extproc.routing.engines import merges
 from extproc.telemetry.metrics import MULTIPROC_ENV, MetricsServer, prepare_multiprocess_dir, serve_metrics
 
 _PR_SET_PDEATHSIG = 1
@@ -476,7 +477,7 @@ class LocalStack:
         resolved = _with_endpoints(spec, pod_urls)
         config_path = opts.run_dir / "llmgw.resolved.yaml"
         coordinator: tuple[str, int] | None = None
-        if any(pool.batching.enabled for pool in spec.pools):  # the batching coordinator, on a port of its own
+        if any(merges(pool) for pool in spec.pools):  # the batching coordinator, on a port of its own
             coordinator = ("127.0.0.1", free_port())
             resolved["server"]["coordinator"] = f"{coordinator[0]}:{coordinator[1]}"
         config_path.write_text(yaml.safe_dump(resolved, sort_keys=False))
@@ -563,7 +564,7 @@ class LocalStack:
             adapters = [f"{m.name}=/adapters/{m.name}" for m in spec.models if m.pool == pool.name and m.lora]
             if adapters:  # LoRA adapters the simulated pods load on demand, as vLLM's --lora-modules
                 served += ["--enable-lora", "--lora-modules", *adapters]
-            if pool.batching.enabled:  # the coordinator finds it (GET /llmgw/v1/batch) and uses it
+            if merges(pool):  # the coordinator finds it (GET /llmgw/v1/batch) and uses it
                 served += ["--batch-grpc-port", "0"]
             if pool.engine == "llamacpp":  # real llama.cpp pods (SmolLM2 on CPU), not simulated ones
                 served = ["llamacpp"]
@@ -649,9 +650,9 @@ def _with_endpoints(spec: GatewaySpec, pod_urls: dict[str, list[str]]) -> dict[s
             elif pool["engine"] == "llamacpp":
                 model_files[pool["name"]] = _smollm2_files()
     for model in document["models"]:
-        for field, value in model_files.get(model["pool"], {}).items():
-            if model.get(field) is None:
-                model[field] = value
+        for name, value in model_files.get(model["pool"], {}).items():
+            if model.get(name) is None:
+                model[name] = value
     return document
 
 

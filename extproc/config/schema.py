@@ -118,6 +118,9 @@ class BatchingSpec(_Strict):
     requests or ``max_batched_tokens`` prompt tokens, or at once when the pod has room."""
 
     enabled: bool = False
+    # auto: merged calls only on engines where they pay (extproc/routing/engines.py; llama.cpp's
+    # slots already batch, so its pools' requests go direct); always: merge whatever the engine.
+    merge: Literal["auto", "always"] = "auto"
     qos: list[str] | None = None  # the classes batched (None: every class but realtime)
     max_wait_ms: dict[str, Annotated[float, Field(ge=0, le=10_000)]] = Field(
         default_factory=lambda: {"default": 50.0})

@@ -8,7 +8,7 @@ from __future__ import annotations
 from extproc.accounting import CACHE_MISS, NAMESPACE
 from extproc.api import Operation
 from extproc.qos import QOS_HEADER
-from extproc.routing.engines import profile_of
+from extproc.routing.engines import merges, profile_of
 from extproc.routing.router import Router
 from extproc.stages.cache import CACHE_HEADER
 from extproc.state import RequestState
@@ -105,7 +105,7 @@ class Route:
         pool, facts, model = state.pool, state.facts, state.model
         assert pool is not None and facts is not None and model is not None
         settings = pool.batching
-        if not (facts.batchable and settings.batches(state.qos) and self.router.coordinator_usable()):
+        if not (facts.batchable and settings.batches(state.qos) and merges(pool) and self.router.coordinator_usable()):
             return None
         if state.operation is Operation.CHAT and model.chat_template is None \
                 and profile_of(pool.engine).template_path is None:

@@ -150,9 +150,10 @@ def test_a_client_that_hangs_up_mid_stream_leaves_the_engine_free(stack: StackIn
 
 @pytest.fixture(scope="module")
 def batching(tmp_path_factory: pytest.TempPathFactory, pods: list[LlamaPod]) -> Iterator[StackInfo]:
-    """The same pods behind a batching pool: chats go through the coordinator."""
+    """The same pods behind a batching pool told to merge (on llama.cpp it would not by default):
+    chats go through the coordinator."""
     with _gateway(tmp_path_factory, "llama-batching", pods,
-                  batching={"enabled": True, "max_wait_ms": {"default": 100}}) as info:
+                  batching={"enabled": True, "merge": "always", "max_wait_ms": {"default": 100}}) as info:
         yield info
 
 

@@ -95,6 +95,16 @@ def test_a_chat_is_merged_only_where_a_template_is_known_never_with_a_guessed_on
     untemplated = {**DOCUMENT, "models": [{"name": "big-model", "pool": "big"}, DOCUMENT["models"][1]]}
     route, config = _route(untemplated)
     assert dict(route.route(_state(config)).set_headers)["x-llmgw-route"] == "direct"  # vLLM renders nothing for us
-    llamacpp = {**untemplated, "pools": [{**DOCUMENT["pools"][0], "engine": "llamacpp"}, DOCUMENT["pools"][1]]}
+    merged = {**DOCUMENT["pools"][0], "engine": "llamacpp", "batching": {"enabled": True, "merge": "always"}}
+    llamacpp = {**untemplated, "pools": [merged, DOCUMENT["pools"][1]]}
     route, config = _route(llamacpp)
     assert dict(route.route(_state(config)).set_headers)["x-llmgw-route"] == "batch"  # its /apply-template does
+
+
+def test_a_batching_pool_merges_only_on_engines_where_merged_calls_pay_unless_told_always() -> None:
+    llamacpp = {**DOCUMENT, "pools": [{**DOCUMENT["pools"][0], "engine": "llamacpp"}, DOCUMENT["pools"][1]]}
+    route, config = _route(llamacpp)  # llama.cpp's slots batch already: merging measured no gain
+    assert dict(route.route(_state(config)).set_headers)["x-llmgw-route"] == "direct"
+    llamacpp["pools"][0]["batching"] = {"enabled": True, "merge": "always"}
+    route, config = _route(llamacpp)
+    assert dict(route.route(_state(config)).set_headers)["x-llmgw-route"] == "batch"
