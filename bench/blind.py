@@ -1,0 +1,144 @@
+"""Semantic routing and the semantic cache on the frozen blind sets (``bench/data/blind/``, read its
+README): data written apart from the mechanism, by writers who saw none of it, and never tuned on.
+
+Routing: each of the three configs (``routing_*.yaml``: a user's own small ``intents:``, 6-8
+examples per intent, and 80 new prompts, 12 of them out of every intent's domain) is compiled as
+the gateway compiles it, with the defaults, and every prompt classified through the same index
+the gateway builds (``extproc.routing.classifier.build_index``). A prompt is right when the chosen
+intent is its label; ``none`` is right when no intent is chosen (the default route).
+
+Cache: every pair of the four writers' files (``cache_pairs_*.yaml``) is evaluated as the cache
+meets it (``bench.cache_semantic.evaluate``: ``a`` alone in a fresh partition, then ``b`` looked
+up) with the defaults (``cache: {semantic: {}}``). precision = right hits / hits; recall = right
+hits / paraphrase pairs.
+
+Only aggregates are printed (per config, writer, language and kind): the items themselves are not,
+so that nothing is tuned on them by reading the failures.
+
+    python -m bench.blind [--routing-embedders hybrid,minilm,hashing] [--no-cache]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.progress import Progress
+
+from bench.cache_semantic import Pair, evaluate
+from bench.common import emit
+from extproc.cache.semantic import DEFAULT_EMBEDDER, DEFAULT_THRESHOLD
+from extproc.config import parse_config
+from extproc.routing.classifier import build_index
+
+BLIND = Path(__file__).parent / "data" / "blind"
+NONE = "none"
+ROUTING_TARGET = 0.90
+
+
+def routing_configs() -> dict[str, dict[str, Any]]:
+    """Each blind routing file by its short name (``assistant``, ``support``, ``platform``)."""
+    return {path.stem.removeprefix("routing_"): yaml.safe_load(path.read_text())
+            for path in sorted(BLIND.glob("routing_*.yaml"))}
+
+
+def gateway_document(blind: dict[str, Any], embedder: str) -> dict[str, Any]:
+    """The blind config as a user's llmgw.yaml: one model per intent, a default route, defaults
+    everywhere else."""
+    routes = []
+    for intent in blind["intents"]:
+        routes.append({"name": intent["name"], "model": f"model-{intent['name']}", "examples": intent["examples"]})
+    models = [{"name": r["model"], "pool": "pool"} for r in routes] + [{"name": "default-model", "pool": "pool"}]
+    return {"pools": [{"name": "pool", "endpoints": ["127.0.0.1:1"]}], "models": models,
+            "intents": {"embedder": {"kind": embedder}, "default": {"model": "default-model"}, "routes": routes,
+                        "cache_size": 0}}
+
+
+def route_blind(name: str, blind: dict[str, Any], embedder: str) -> dict[str, Any]:
+    """Accuracy of one config's prompts under ``embedder``, and the time one prompt takes."""
+    config = parse_config(gateway_document(blind, embedder))
+    assert config.intents is not None
+    built = time.perf_counter()
+    index = build_index(config.intents)
+    build_s = time.perf_counter() - built
+    items = blind["eval"]
+    predicted, times = [], []
+    for item in items:
+        started = time.perf_counter()
+        match = index.classify(item["prompt"])
+        times.append((time.perf_counter() - started) * 1000)
+        predicted.append(match.intent.name if match.intent is not None else NONE)
+    labels = [item["intent"] for item in items]
+    right = [p == label for p, label in zip(predicted, labels, strict=True)]
+    in_domain = [r for r, label in zip(right, labels, strict=True) if label != NONE]
+    outside = [r for r, label in zip(right, labels, strict=True) if label == NONE]
+    langs = Counter(item.get("lang", "en") for item in items)
+    return {
+        "config": name, "embedder": embedder, "prompts": len(items),
+        "accuracy": round(sum(right) / len(right), 4),
+        "in_domain_accuracy": round(sum(in_domain) / len(in_domain), 4),
+        "none_accuracy": round(sum(outside) / len(outside), 4) if outside else None,
+        "sent_to_default_wrongly": sum(1 for p, label in zip(predicted, labels, strict=True)
+                                       if p == NONE and label != NONE),
+        "wrong_intent": sum(1 for p, label in zip(predicted, labels, strict=True)
+                            if p != NONE and p != label),
+        "by_lang": {lang: round(sum(r for r, item in zip(right, items, strict=True)
+                                    if item.get("lang", "en") == lang) / count, 4)
+                    for lang, count in sorted(langs.items())},
+        "p50_ms": round(statistics.median(times), 3), "build_s": round(build_s, 2),
+    }
+
+
+def cache_pairs() -> list[Pair]:
+    """Every writer's pairs (``split`` is the writer)."""
+    pairs = []
+    for path in sorted(BLIND.glob("cache_pairs_*.yaml")):
+        writer = path.stem.removeprefix("cache_pairs_")
+        pairs += [Pair(p["a"], p["b"], bool(p["same"]), p["kind"], str(p["lang"]), writer)
+                  for p in yaml.safe_load(path.read_text())["pairs"]]
+    return pairs
+
+
+def cache_blind(progress: Progress) -> dict[str, Any]:
+    """The semantic cache with its defaults over every blind pair: overall, per writer, per kind."""
+    pairs = cache_pairs()
+    result = evaluate(DEFAULT_EMBEDDER, True, DEFAULT_THRESHOLD, pairs=pairs, progress=progress)
+    by_writer = {writer: result[writer] for writer in dict.fromkeys(p.split for p in pairs)}
+    return {"embedder": DEFAULT_EMBEDDER, "threshold": DEFAULT_THRESHOLD, "pairs": len(pairs),
+            "paraphrases": sum(p.same for p in pairs), **result["all"], "by_writer": by_writer,
+            "false_hits_by_kind": result["false_hits_by_kind"], "missed_by_lang": result["missed_by_lang"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.blind", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--routing-embedders", type=lambda v: v.split(","), default=["hybrid", "minilm", "hashing"])
+    parser.add_argument("--no-cache", action="store_true", help="routing only")
+    parser.add_argument("--no-routing", action="store_true", help="the cache only")
+    args = parser.parse_args(argv)
+    out: dict[str, Any] = {"bench": "blind"}
+    with Progress(transient=True) as progress:
+        if not args.no_routing:
+            configs = routing_configs()
+            task = progress.add_task("routing", total=len(configs) * len(args.routing_embedders))
+            rows = []
+            for embedder in args.routing_embedders:
+                for name, blind in configs.items():
+                    rows.append(route_blind(name, blind, embedder))
+                    progress.advance(task)
+            out["routing"] = rows
+            out["routing_mean_accuracy"] = {
+                embedder: round(statistics.mean(r["accuracy"] for r in rows if r["embedder"] == embedder), 4)
+                for embedder in args.routing_embedders}
+            out["routing_target"] = ROUTING_TARGET
+        if not args.no_cache:
+            out["cache"] = cache_blind(progress)
+    emit("blind", out)
+
+
+if __name__ == "__main__":
+    main()
