@@ -52,7 +52,8 @@ def gateway_document(blind: dict[str, Any], embedder: str) -> dict[str, Any]:
     everywhere else."""
     routes = []
     for intent in blind["intents"]:
-        routes.append({"name": intent["name"], "model": f"model-{intent['name']}", "examples": intent["examples"]})
+        routes.append({"name": intent["name"], "model": f"model-{intent['name']}", "examples": intent["examples"],
+                       "description": intent.get("description", "")})
     models = [{"name": r["model"], "pool": "pool"} for r in routes] + [{"name": "default-model", "pool": "pool"}]
     return {"pools": [{"name": "pool", "endpoints": ["127.0.0.1:1"]}], "models": models,
             "intents": {"embedder": {"kind": embedder}, "default": {"model": "default-model"}, "routes": routes,

@@ -3,7 +3,7 @@
 The routes and a held-out, hand-labelled eval set are in ``bench/data/intents.yaml``: six intents
 described by 11-12 example utterances each, and 131 prompts in five languages and five styles, 20 of
 them out of every intent's domain (label ``none``: the default route is right for them). For each
-embedder (``hashing``, ``minilm``, ``hybrid``; ``remote`` with ``--remote URL``) an ``IntentIndex`` with its cache
+embedder (``hashing``, ``minilm``, ``hybrid``, ``multilingual``; ``remote`` with ``--remote URL``) an ``IntentIndex`` with its cache
 off classifies every prompt one at a time, ``--rounds`` times, timing each call (tokenizing,
 embedding, scoring, deciding). Figures:
 
@@ -11,9 +11,9 @@ embedding, scoring, deciding). Figures:
   chosen); ``macro_f1``: the mean F1 over the seven classes; both per language and per style too;
 - ``p50_ms`` / ``p99_ms``: latency of one ``classify`` call, over all rounds;
 - ``sweep``: accuracy at every threshold 0.00-0.95 (at the margin in use), the best and the range
-  within one prompt of it; accuracy at a few margins; and the same with ``top_k`` 1 (an intent's
-  score: its nearest example's similarity; the config's default, used for the main figures, is 2:
-  the mean of its two nearest examples').
+  within one prompt of it; accuracy at a few margins; and the same with ``scoring: nearest``,
+  ``top_k`` 1 (an intent's score: its nearest example's similarity; the config's default, used
+  for the main figures, is ``centroid``: the similarity to the mean of its examples' vectors).
 
 MiniLM latency is measured again in child processes under other settings that must be in place
 before the process starts: ``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=1000000000`` (large
@@ -181,7 +181,7 @@ def evaluate(embedder: Embedder, intents: list[Intent], prompts: list[Prompt], r
     errors = [{"text": p.text[:80], "label": p.label, "chosen": c, "nearest": m.best, "score": m.score,
                "runner_up": m.runner_up}
               for p, c, m in zip(prompts, chosen, index.classify_many(texts), strict=True) if c != p.label]
-    top1 = IntentIndex(intents, embedder, cache_size=0, top_k=1)
+    top1 = IntentIndex(intents, embedder, cache_size=0, top_k=1, scoring="nearest")
     top1_sweep = sweep(intents, top1.scores(texts), labels, index.margin, index.threshold)
     in_domain = [c for p, c in zip(prompts, chosen, strict=True) if p.label != NONE]
     result: dict[str, Any] = {
@@ -328,7 +328,8 @@ def main() -> None:
 
     intents, prompts = load()
     before = calibration_ms()
-    embedders: list[Embedder] = [build_embedder("hashing"), build_embedder("minilm"), build_embedder("hybrid")]
+    embedders: list[Embedder] = [build_embedder("hashing"), build_embedder("minilm"), build_embedder("hybrid"),
+                                  build_embedder("multilingual")]
     if args.remote:
         remote = build_embedder("remote", url=args.remote, model=args.remote_model)
         if args.remote_threshold is not None:

@@ -295,11 +295,14 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_route(args: argparse.Namespace) -> int:
-    """``llmgw route --explain FILE``: how a request body would be routed, and why."""
+    """``llmgw route --explain FILE``: how a request body would be routed, and why;
+    ``llmgw route --calibrate``: what the config's intents promise (cross-validated)."""
     from extproc.api import ApiError
     from extproc.routing.embedders import EmbedderError
     from extproc.routing.explain import explain
 
+    if args.calibrate:
+        return _calibrate(args)
     try:
         config = offline_config(args.config)
         body = sys.stdin.buffer.read() if args.explain == "-" else Path(args.explain).read_bytes()
@@ -333,6 +336,41 @@ def cmd_route(args: argparse.Namespace) -> int:
                         f"margin {semantic['margin']:.2f} -> {semantic['intent']}")
     decision = result["decision"]
     Console().print(f"-> model {decision['model']} in pool {decision['pool']}: {decision['why']}")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from extproc.routing.calibrate import calibrate
+    from extproc.routing.classifier import build_index
+    from extproc.routing.embedders import EmbedderError
+
+    try:
+        config = offline_config(args.config)
+        if config.intents is None:
+            console.print("[red]the config has no intents: nothing to calibrate[/red]")
+            return 2
+        with console.status("embedding the examples"):
+            result = calibrate(build_index(config.intents))
+    except (ConfigError, OSError, EmbedderError) as error:
+        console.print(f"[red]{error}[/red]")
+        return 2
+    if args.format == "json":
+        print(json.dumps({**asdict(result), "warnings": result.warnings}, indent=2))
+        return 0
+    table = Table(title=f"held-out examples ({result.embedder}, {result.scoring}; threshold {result.threshold:g}, "
+                        f"margin {result.margin:g})")
+    table.add_column("intent")
+    table.add_column("found its intent", justify="right")
+    for name, accuracy in result.per_intent.items():
+        table.add_row(name, f"{accuracy:.0%}")
+    Console().print(table)
+    Console().print(f"expected accuracy on prompts like the examples: [bold]{result.accuracy:.1%}[/bold] "
+                    f"({result.examples} examples held out one at a time; {result.to_default} fell to the default "
+                    "route). Prompts unlike every example, and prompts outside every intent, are not counted.")
+    for line in result.warnings:
+        Console().print(f"[yellow]warning:[/yellow] {line}")
     return 0
 
 
@@ -413,8 +451,12 @@ def build_parser() -> argparse.ArgumentParser:
     usage.add_argument("--redis-url", default=None, help="read the Redis Stream ledger instead")
     usage.set_defaults(handler=cmd_usage)
 
-    route = commands.add_parser("route", help="how a request body would be routed, and why")
-    route.add_argument("--explain", required=True, metavar="REQUEST.json", help="the body (- for stdin)")
+    route = commands.add_parser("route", help="how a request body would be routed, and why; or what the "
+                                               "config's intents promise (--calibrate)")
+    what = route.add_mutually_exclusive_group(required=True)
+    what.add_argument("--explain", metavar="REQUEST.json", help="the body (- for stdin)")
+    what.add_argument("--calibrate", action="store_true",
+                      help="cross-validate the intents' examples: expected accuracy, overlapping intents")
     route.add_argument("--config", default=DEFAULT_CONFIG, help=f"gateway config (default {DEFAULT_CONFIG})")
     route.add_argument("--path", default="/v1/chat/completions",
                        choices=("/v1/chat/completions", "/v1/completions", "/v1/embeddings"))

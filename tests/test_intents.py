@@ -161,11 +161,27 @@ def test_index_refuses_when_two_intents_are_as_near() -> None:
 
 def test_index_top_k_averages_the_nearest_examples() -> None:
     intent = Intent("x", ("alpha beta", "alpha gamma", "delta"), "m", "p")
-    one = IntentIndex([intent], HashingEmbedder(), threshold=0.0).classify("alpha beta")
-    two = IntentIndex([intent], HashingEmbedder(), threshold=0.0, top_k=2).classify("alpha beta")
+    one = IntentIndex([intent], HashingEmbedder(), threshold=0.0, scoring="nearest").classify("alpha beta")
+    two = IntentIndex([intent], HashingEmbedder(), threshold=0.0, top_k=2, scoring="nearest").classify("alpha beta")
     assert one.score == pytest.approx(1.0) and 0 < two.score < one.score
     with pytest.raises(ValueError, match="top_k"):
         IntentIndex([intent], HashingEmbedder(), top_k=0)
+
+
+def test_centroid_scoring_matches_an_intents_prototype_and_its_description_counts() -> None:
+    code = Intent("code", ("fix my python loop", "write a python class"), "m", "p",
+                  description="programming questions about python code")
+    other = Intent("cooking", ("bake bread at home", "boil an egg"), "m", "p")
+    index = IntentIndex([code, other], HashingEmbedder(), threshold=0.0)
+    assert index.scoring == "centroid"
+    vectors = HashingEmbedder().embed([*code.examples, code.description])
+    prototype = vectors.mean(axis=0) / np.linalg.norm(vectors.mean(axis=0))
+    query = "python code question"
+    match = index.classify(query)
+    assert match.intent == code
+    assert match.score == pytest.approx(float(HashingEmbedder().embed([query])[0] @ prototype), abs=1e-4)
+    without = IntentIndex([Intent("code", code.examples, "m", "p"), other], HashingEmbedder(), threshold=0.0)
+    assert without.classify(query).score < match.score  # the description's words are the prompt's
 
 
 def test_index_edge_cases() -> None:
@@ -266,7 +282,7 @@ def test_remote_embeds_through_the_simulated_pod(sim_url: str) -> None:
     assert vectors.shape == (3, 256) and vectors.dtype == np.float32
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)
     assert np.array_equal(vectors[0], vectors[1]) and vectors[0] @ vectors[2] < 0.99
-    index = IntentIndex(INTENTS, embedder, threshold=0.99)
+    index = IntentIndex(INTENTS, embedder, threshold=0.99, scoring="nearest")
     assert index.classify("translate this sentence into french").intent == INTENTS[2]  # an example: cosine 1
 
 

@@ -114,11 +114,11 @@ def _compile_intents(spec: IntentsSpec | None, models: dict[str, Model], env: An
     embedder = spec.embedder
     key = _env_value(env, embedder.api_key_env, "intents.embedder.api_key_env") \
         if embedder.kind == "remote" and embedder.api_key_env else None
-    routes = tuple(IntentRoute(r.name, r.model, r.pool or models[r.model].pool.name, tuple(r.examples))
-                   for r in spec.routes)
+    routes = tuple(IntentRoute(r.name, r.model, r.pool or models[r.model].pool.name, tuple(r.examples),
+                               r.description) for r in spec.routes)
     default = (spec.default.model, spec.default.pool or models[spec.default.model].pool.name)
     return Intents(embedder, key, spec.threshold, spec.margin, spec.top_k, spec.model_name, default, routes,
-                   spec.cache_size, spec.max_chars, spec.max_pending)
+                   spec.cache_size, spec.max_chars, spec.max_pending, spec.scoring)
 
 
 def _compile_tracing(spec: TracingSpec, env: Any) -> Tracing:

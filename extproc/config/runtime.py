@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from extproc.chat_template import JinjaChatTemplate
 from extproc.config.schema import (
@@ -112,6 +113,7 @@ class IntentRoute:
     model: str
     pool: str
     examples: tuple[str, ...]
+    description: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +131,7 @@ class Intents:
     cache_size: int
     max_chars: int
     max_pending: int
+    scoring: Literal["centroid", "nearest"] = "centroid"
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,9 +44,9 @@ def build_index(intents: Intents) -> IntentIndex:
     spec = intents.embedder
     embedder = build_embedder(spec.kind, dim=spec.dim, model_dir=spec.model_dir, url=spec.url, model=spec.model,
                               api_key=intents.api_key, timeout_s=spec.timeout_s)
-    routes = tuple(Intent(r.name, r.examples, r.model, r.pool) for r in intents.routes)
+    routes = tuple(Intent(r.name, r.examples, r.model, r.pool, r.description) for r in intents.routes)
     return IntentIndex(routes, embedder, threshold=intents.threshold, margin=intents.margin,
-                       cache_size=intents.cache_size, top_k=intents.top_k)
+                       cache_size=intents.cache_size, top_k=intents.top_k, scoring=intents.scoring)
 
 
 class IntentClassifier:

@@ -1,12 +1,16 @@
-"""Semantic intents: routes described by example utterances, matched by cosine similarity of
-embeddings. Pure (numpy): no I/O beyond what the embedder does.
+"""Semantic intents: routes described by example utterances (and a one-line description), matched
+by cosine similarity of embeddings. Pure (numpy): no I/O beyond what the embedder does.
 
-``IntentIndex`` holds every example's unit vector. A prompt's score for an intent is its cosine
-similarity to that intent's nearest example (``top_k`` > 1: the mean over its k nearest, which
-weighs less on one example that happens to share the prompt's topic). The best intent wins if its
-score reaches the threshold and beats the runner-up intent's by the margin; otherwise there is no
-intent and the caller routes to its default (a prompt between two intents is as uncertain as one
-near none).
+``IntentIndex`` holds every example's unit vector. A prompt's score for an intent is, with
+``scoring="centroid"`` (the default), its cosine similarity to the intent's prototype: the mean of
+its examples' vectors (the description counts as one more example), learned from the config the
+user wrote; with ``"nearest"``, to its nearest example (``top_k`` > 1: the mean over its k
+nearest). On configs of 6-8 examples an intent the prototype generalizes better than the nearest
+example, which a new prompt resembles only when it shares that example's topic (this project's
+data, bench/data/intents.yaml cut to 7 examples an intent: 92.9% against 89.9%). The best intent
+wins if its score reaches the threshold and beats the runner-up intent's by the margin; otherwise
+there is no intent and the caller routes to its default (a prompt between two intents is as
+uncertain as one near none).
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
 from extproc.routing.embedders import Embedder
 
 DEFAULT_MARGIN = 0.02
+Scoring = Literal["centroid", "nearest"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +37,7 @@ class Intent:
     examples: tuple[str, ...]
     model: str
     pool: str
+    description: str = ""  # one line saying what the intent covers: embedded as one more example
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +45,7 @@ class IntentMatch:
     """The nearest intent and how sure: ``intent`` is None when under the threshold or the margin."""
 
     intent: Intent | None
-    score: float  # the best intent's score: cosine similarity of its nearest example (or top_k mean)
+    score: float  # the best intent's score: cosine similarity to its prototype (or nearest examples)
     runner_up: float  # the same for the next-best intent (-1.0 with a single intent)
     best: str  # the best intent's name, even when refused ("" without intents)
 
@@ -62,7 +69,8 @@ class IntentIndex:
     threads; the embedder is called outside the cache's lock."""
 
     def __init__(self, intents: Sequence[Intent], embedder: Embedder, threshold: float | None = None,
-                 margin: float = DEFAULT_MARGIN, cache_size: int = 4096, top_k: int = 1) -> None:
+                 margin: float = DEFAULT_MARGIN, cache_size: int = 4096, top_k: int = 1,
+                 scoring: Scoring = "centroid") -> None:
         self.intents = tuple(intents)
         for intent in self.intents:
             if not intent.examples:
@@ -74,19 +82,42 @@ class IntentIndex:
         self.margin = margin
         self.cache_size = cache_size
         self.top_k = top_k
-        texts = [example for intent in self.intents for example in intent.examples]
+        self.scoring = scoring
+        texts = [text for intent in self.intents for text in _texts(intent)]
         self._vectors = embedder.embed(texts) if texts else np.zeros((0, 0), dtype=np.float32)
-        ends = np.cumsum([len(intent.examples) for intent in self.intents])
-        self._spans = [(int(end) - len(intent.examples), int(end))
+        ends = np.cumsum([len(_texts(intent)) for intent in self.intents])
+        self._spans = [(int(end) - len(_texts(intent)), int(end))
                        for intent, end in zip(self.intents, ends, strict=True)]
+        prototypes = np.stack([self._vectors[start:end].mean(axis=0) for start, end in self._spans]) \
+            if self.intents else np.zeros((0, 0), dtype=np.float32)
+        norms = np.linalg.norm(prototypes, axis=1, keepdims=True)
+        self._prototypes = np.divide(prototypes, norms, out=np.zeros_like(prototypes), where=norms > 0)
         self._cache: OrderedDict[str, IntentMatch] = OrderedDict()
         self._lock = threading.Lock()
+
+    @property
+    def vectors(self) -> np.ndarray:
+        """Every intent's unit vectors, one row per example (then its description), in intent order."""
+        return self._vectors
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """Each intent's rows of ``vectors``: (start, end)."""
+        return list(self._spans)
+
+    @property
+    def prototypes(self) -> np.ndarray:
+        """Each intent's prototype: the normalised mean of its rows."""
+        return self._prototypes
 
     def scores(self, texts: list[str]) -> np.ndarray:
         """(len(texts), len(intents)): each text's score for each intent (see the module docstring)."""
         if not self.intents:
             return np.zeros((len(texts), 0), dtype=np.float32)
-        similarity = self.embedder.embed(texts) @ self._vectors.T  # (texts, examples)
+        vectors = self.embedder.embed(texts)
+        if self.scoring == "centroid":
+            return vectors @ self._prototypes.T  # (texts, intents)
+        similarity = vectors @ self._vectors.T  # (texts, examples)
         return np.stack([np.sort(similarity[:, start:end], axis=1)[:, -self.top_k:].mean(axis=1)
                          for start, end in self._spans], axis=1)
 
@@ -139,3 +170,8 @@ class IntentIndex:
     def cached(self) -> int:
         """How many prompts the cache holds."""
         return len(self._cache)
+
+
+def _texts(intent: Intent) -> tuple[str, ...]:
+    """What an intent's vectors are made of: its examples, and its description if it has one."""
+    return (*intent.examples, intent.description) if intent.description else intent.examples
