@@ -12,10 +12,15 @@ meets it (``bench.cache_semantic.evaluate``: ``a`` alone in a fresh partition, t
 up) with the defaults (``cache: {semantic: {}}``). precision = right hits / hits; recall = right
 hits / paraphrase pairs.
 
+With ``--stack``, each config also runs through the real stack (Envoy, one extproc worker, a
+simulated pod answering at once), as a user's client would: every prompt is sent at c=1 with
+``model: auto`` and, alternately, to the default model by name; the intent is read back from the
+served model, and ``auto``'s added latency is the difference of the two p50s.
+
 Only aggregates are printed (per config, writer, language and kind): the items themselves are not,
 so that nothing is tuned on them by reading the failures.
 
-    python -m bench.blind [--routing-embedders hybrid,minilm,hashing] [--no-cache]
+    python -m bench.blind [--routing-embedders multilingual,hybrid,minilm,hashing] [--no-cache] [--stack]
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ import statistics
 import time
 from collections import Counter
 from pathlib import Path
+from tempfile import TemporaryDirectory
 from typing import Any
 
+import httpx
 import yaml
 from rich.progress import Progress
 
@@ -34,6 +41,7 @@ from bench.cache_semantic import Pair, evaluate
 from bench.common import emit
 from extproc.cache.semantic import DEFAULT_EMBEDDER, DEFAULT_THRESHOLD
 from extproc.config import parse_config
+from extproc.launcher import LocalStack, StackOptions
 from extproc.routing.classifier import build_index
 
 BLIND = Path(__file__).parent / "data" / "blind"
@@ -95,6 +103,40 @@ def route_blind(name: str, blind: dict[str, Any], embedder: str) -> dict[str, An
     }
 
 
+def route_through_stack(name: str, blind: dict[str, Any], embedder: str, progress: Progress) -> dict[str, Any]:
+    """The config through Envoy and extproc: accuracy read from the served model, and the p50 of
+    ``auto`` against the default model named directly (alternating, one request at a time)."""
+    document = gateway_document(blind, embedder)
+    document["pools"] = [{"name": "pool", "simulate": 1}]
+    items = blind["eval"]
+    with TemporaryDirectory(prefix="llmgw-blind-") as tmp:
+        path = Path(tmp) / "llmgw.yaml"
+        path.write_text(yaml.safe_dump(document))
+        options = StackOptions(config_path=path, run_dir=Path(tmp), port=0, workers=1, envoy_concurrency=1,
+                               log_level="WARNING", sim_args=("--time-scale", "0", "--log-level", "ERROR"))
+        with LocalStack(options) as info, httpx.Client(base_url=info.base_url, timeout=30) as client:
+            auto_ms, direct_ms, predicted = [], [], []
+            task = progress.add_task(f"{name} through the stack", total=len(items))
+            for item in items:
+                for model in ("auto", "default-model"):
+                    body = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": item["prompt"]}]}
+                    started = time.perf_counter()
+                    response = client.post("/v1/chat/completions", json=body)
+                    elapsed = (time.perf_counter() - started) * 1000
+                    response.raise_for_status()
+                    if model == "auto":
+                        auto_ms.append(elapsed)
+                        served = response.json()["model"]
+                        predicted.append(served.removeprefix("model-") if served != "default-model" else NONE)
+                    else:
+                        direct_ms.append(elapsed)
+                progress.advance(task)
+    right = [p == item["intent"] for p, item in zip(predicted, items, strict=True)]
+    return {"config": name, "embedder": embedder, "accuracy": round(sum(right) / len(right), 4),
+            "auto_p50_ms": round(statistics.median(auto_ms), 3), "direct_p50_ms": round(statistics.median(direct_ms), 3),
+            "auto_added_p50_ms": round(statistics.median(auto_ms) - statistics.median(direct_ms), 3)}
+
+
 def cache_pairs() -> list[Pair]:
     """Every writer's pairs (``split`` is the writer)."""
     pairs = []
@@ -117,7 +159,9 @@ def cache_blind(progress: Progress) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.blind", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--routing-embedders", type=lambda v: v.split(","), default=["hybrid", "minilm", "hashing"])
+    parser.add_argument("--routing-embedders", type=lambda v: v.split(","),
+                        default=["multilingual", "hybrid", "minilm", "hashing"])
+    parser.add_argument("--stack", action="store_true", help="also each config through the real stack (default embedder)")
     parser.add_argument("--no-cache", action="store_true", help="routing only")
     parser.add_argument("--no-routing", action="store_true", help="the cache only")
     args = parser.parse_args(argv)
@@ -136,6 +180,12 @@ def main(argv: list[str] | None = None) -> None:
                 embedder: round(statistics.mean(r["accuracy"] for r in rows if r["embedder"] == embedder), 4)
                 for embedder in args.routing_embedders}
             out["routing_target"] = ROUTING_TARGET
+            if args.stack:
+                stack = [route_through_stack(name, blind, args.routing_embedders[0], progress)
+                         for name, blind in configs.items()]
+                out["routing_stack"] = stack
+                out["routing_stack_auto_added_p50_ms"] = round(statistics.median(
+                    r["auto_added_p50_ms"] for r in stack), 3)
         if not args.no_cache:
             out["cache"] = cache_blind(progress)
     emit("blind", out)
