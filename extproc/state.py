@@ -44,6 +44,10 @@ class RequestState:
     settled: bool = False
     rate_headers: Headers = ()
     cache_key: bytes | None = None  # the response cache's key of a cacheable request
+    # The client's Cache-Control: no-cache (answered by a pod, not from the cache; the answer is
+    # still stored), no-store (the cache is bypassed: nothing read, nothing stored).
+    cache_read: bool = True
+    cache_write: bool = True
     cached: bytes | None = None  # the stored answer a hit was answered with
     cache_stale: bool = False  # ... a stale one, as no pool could serve the request
     phases: list[PhaseTiming] = field(default_factory=list)

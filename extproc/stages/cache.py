@@ -36,8 +36,8 @@ class Caching:
         facts, model = state.facts, state.model
         assert facts is not None and model is not None
         spec, partition = self._keyed(state)
-        if spec is None or state.cache_key is None:
-            return None
+        if spec is None or state.cache_key is None or not state.cache_read:
+            return None  # not cached, or the client asked for a fresh answer (stored, unless no-store)
         semantic = None
         if spec.semantic is not None and facts.context_digest is not None and facts.semantic_text:
             partition = hashlib.sha256(b"\0".join((facts.context_digest, model.name.encode(), model.version.encode(),
@@ -48,7 +48,7 @@ class Caching:
     def stale(self, state: RequestState) -> Lookup | None:
         """No pool can serve the request: ask for a stale copy of its answer (None: not cached)."""
         spec, _ = self._keyed(state)
-        if spec is None or state.cache_key is None:
+        if spec is None or state.cache_key is None or not state.cache_read:
             return None
         return Lookup(state.cache_key, stale=True)
 
@@ -91,8 +91,8 @@ class Caching:
         facts, model = state.facts, state.model
         assert facts is not None and model is not None
         spec = self.config.cache_for(facts.rule, model) if facts.answer_digest is not None else None
-        if spec is None or facts.answer_digest is None:
-            return None, ""
+        if spec is None or facts.answer_digest is None or not state.cache_write:
+            return None, ""  # not cached; or Cache-Control: no-store, which keeps nothing of it
         partition = state.tenant.name if spec.partition == "tenant" and state.tenant is not None else ""
         state.cache_key = cache_key(facts.answer_digest, model.name, model.version, partition)
         return spec, partition

@@ -90,6 +90,7 @@ class Identity:
             return state.reject(bad)
         if end_of_stream:
             return state.reject(validation.EMPTY_BODY)
+        state.cache_read, state.cache_write = cache_control(headers.get("cache-control"))
         state.end("auth")
         # Envoy picked a route from the client's headers; re-pick it without the stripped ones, so
         # a request that never reaches the body phase cannot ride a forged x-llmgw-route.
@@ -114,3 +115,15 @@ def model_not_found(name: str) -> ApiError:
     """404: no model of that name, as OpenAI words it."""
     return ApiError(404, f"The model '{name}' does not exist or you do not have access to it.",
                     param="model", code="model_not_found")
+
+
+def cache_control(value: str | None) -> tuple[bool, bool]:
+    """What a request's ``Cache-Control`` lets the response cache do: (read, write). ``no-cache``:
+    the client wants a fresh answer (RFC 9111 5.2.1.4: not served from a store without asking the
+    origin), which is stored as usual; ``no-store`` (5.2.1.5): nothing of it is stored, and it
+    bypasses the cache altogether. Other directives (max-age, ...) change nothing."""
+    if not value:
+        return True, True
+    directives = {part.strip().split("=", 1)[0].strip().lower() for part in value.split(",")}
+    store = "no-store" not in directives
+    return store and "no-cache" not in directives, store

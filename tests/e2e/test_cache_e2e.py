@@ -79,6 +79,18 @@ def test_a_deterministic_answer_comes_back_from_the_cache_as_json_or_streamed(ca
     assert chunks[-1].usage.completion_tokens == first.usage.completion_tokens  # type: ignore[union-attr]
 
 
+def test_a_client_can_ask_past_the_cache_with_cache_control(cached: StackInfo) -> None:
+    text = "cache me: how far is the moon?"
+    _ask(cached, KEY_A, text)
+    _until_hit(cached, KEY_A, text)
+    headers, _ = _ask(cached, KEY_A, text, extra_headers={"Cache-Control": "no-cache"})
+    assert headers["x-llmgw-cache"] == "miss"  # a pod answered; its answer is stored again
+    headers, _ = _ask(cached, KEY_A, text, extra_headers={"Cache-Control": "no-store"})
+    assert "x-llmgw-cache" not in headers  # the cache was not part of it at all
+    headers, _ = _ask(cached, KEY_A, text)
+    assert headers["x-llmgw-cache"] == "hit"  # the others still get the stored answer
+
+
 def _hot_hits(info: StackInfo) -> float:
     assert info.metrics_url is not None
     text = httpx.get(info.metrics_url, timeout=10).text

@@ -15,6 +15,7 @@ from extproc.config import parse_config
 from extproc.routing.picker import Picker
 from extproc.routing.router import Router
 from extproc.stages.cache import CACHE_HEADER, MATCH_HEADER, Caching
+from extproc.stages.identity import cache_control
 from extproc.state import RequestState, new_state
 from extproc.steps import HOT_MISS, Lookup, Reply, SemanticHit, Warm
 
@@ -57,6 +58,19 @@ def test_only_a_deterministic_request_to_a_cached_model_is_looked_up() -> None:
     asked = caching.lookup(state)
     assert isinstance(asked, Lookup) and asked.key == state.cache_key and asked.semantic is None and not asked.stale
     assert caching.lookup(_state("m")) == asked  # the same question, the same key
+
+
+def test_cache_control_no_cache_asks_a_pod_and_stores_its_answer_and_no_store_bypasses_the_cache() -> None:
+    caching = _caching()
+    fresh = _state("m")
+    fresh.cache_read, fresh.cache_write = cache_control("no-cache")
+    assert caching.lookup(fresh) is None and fresh.cache_key is not None  # on to a pod; its answer is stored
+    assert caching.stale(fresh) is None  # and never a stale copy instead
+    bypass = _state("m")
+    bypass.cache_read, bypass.cache_write = cache_control("max-age=0, No-Store")
+    assert caching.lookup(bypass) is None and bypass.cache_key is None  # nothing read, nothing stored
+    assert cache_control(None) == cache_control("max-age=60") == (True, True)
+    assert cache_control("no-cache, no-store") == (False, False)
 
 
 def test_a_semantic_cache_asks_with_the_last_user_turn_in_a_partition_of_the_context() -> None:
