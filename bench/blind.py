@@ -133,7 +133,8 @@ def route_through_stack(name: str, blind: dict[str, Any], embedder: str, progres
                 progress.advance(task)
     right = [p == item["intent"] for p, item in zip(predicted, items, strict=True)]
     return {"config": name, "embedder": embedder, "accuracy": round(sum(right) / len(right), 4),
-            "auto_p50_ms": round(statistics.median(auto_ms), 3), "direct_p50_ms": round(statistics.median(direct_ms), 3),
+            "auto_p50_ms": round(statistics.median(auto_ms), 3),
+            "direct_p50_ms": round(statistics.median(direct_ms), 3),
             "auto_added_p50_ms": round(statistics.median(auto_ms) - statistics.median(direct_ms), 3)}
 
 
@@ -161,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.blind", description=__doc__.split("\n\n")[0])
     parser.add_argument("--routing-embedders", type=lambda v: v.split(","),
                         default=["multilingual", "hybrid", "minilm", "hashing"])
-    parser.add_argument("--stack", action="store_true", help="also each config through the real stack (default embedder)")
+    parser.add_argument("--stack", action="store_true",
+                        help="also each config through the real stack (the first embedder)")
     parser.add_argument("--no-cache", action="store_true", help="routing only")
     parser.add_argument("--no-routing", action="store_true", help="the cache only")
     args = parser.parse_args(argv)
