@@ -3,9 +3,9 @@
 The routes and a held-out, hand-labelled eval set are in ``bench/data/intents.yaml``: six intents
 described by 11-12 example utterances each, and 131 prompts in five languages and five styles, 20 of
 them out of every intent's domain (label ``none``: the default route is right for them). For each
-embedder (``hashing``, ``minilm``, ``hybrid``, ``multilingual``; ``remote`` with ``--remote URL``) an ``IntentIndex`` with its cache
-off classifies every prompt one at a time, ``--rounds`` times, timing each call (tokenizing,
-embedding, scoring, deciding). Figures:
+embedder (``hashing``, ``minilm``, ``hybrid``, ``multilingual``; ``remote`` with ``--remote URL``)
+an ``IntentIndex`` with its cache off classifies every prompt one at a time, ``--rounds`` times,
+timing each call (tokenizing, embedding, scoring, deciding). Figures:
 
 - ``accuracy``: a prompt is right when the chosen intent is its label, ``none`` included (no intent
   chosen); ``macro_f1``: the mean F1 over the seven classes; both per language and per style too;
