@@ -39,8 +39,8 @@ from rich.progress import Progress
 
 from bench.cache_semantic import Pair, evaluate
 from bench.common import emit
-from extproc.cache.semantic import DEFAULT_EMBEDDER, DEFAULT_THRESHOLD
-from extproc.config import parse_config
+from extproc.cache.semantic import Check
+from extproc.config import SemanticCacheSpec, parse_config
 from extproc.launcher import LocalStack, StackOptions
 from extproc.routing.classifier import build_index
 
@@ -148,13 +148,15 @@ def cache_pairs() -> list[Pair]:
     return pairs
 
 
-def cache_blind(progress: Progress) -> dict[str, Any]:
-    """The semantic cache with its defaults over every blind pair: overall, per writer, per kind."""
+def cache_blind(progress: Progress, check: Check | None = None) -> dict[str, Any]:
+    """The semantic cache with its defaults (``check``: the candidate check instead of the
+    default's) over every blind pair: overall, per writer, per kind."""
+    spec = SemanticCacheSpec()
     pairs = cache_pairs()
-    result = evaluate(DEFAULT_EMBEDDER, True, DEFAULT_THRESHOLD, pairs=pairs, progress=progress)
+    result = evaluate(spec.embedder, True, spec.threshold, pairs=pairs, progress=progress, check=check or spec.check)
     by_writer = {writer: result[writer] for writer in dict.fromkeys(p.split for p in pairs)}
-    return {"embedder": DEFAULT_EMBEDDER, "threshold": DEFAULT_THRESHOLD, "pairs": len(pairs),
-            "paraphrases": sum(p.same for p in pairs), **result["all"], "by_writer": by_writer,
+    return {"embedder": spec.embedder, "check": result["check"], "threshold": result["threshold"],
+            "pairs": len(pairs), "paraphrases": sum(p.same for p in pairs), **result["all"], "by_writer": by_writer,
             "false_hits_by_kind": result["false_hits_by_kind"], "missed_by_lang": result["missed_by_lang"]}
 
 
@@ -166,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="also each config through the real stack (the first embedder)")
     parser.add_argument("--no-cache", action="store_true", help="routing only")
     parser.add_argument("--no-routing", action="store_true", help="the cache only")
+    parser.add_argument("--compare-rules", action="store_true", help="the cache with the rules' check too")
     args = parser.parse_args(argv)
     out: dict[str, Any] = {"bench": "blind"}
     with Progress(transient=True) as progress:
@@ -190,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
                     r["auto_added_p50_ms"] for r in stack), 3)
         if not args.no_cache:
             out["cache"] = cache_blind(progress)
+            if args.compare_rules:  # the hand-written guard, in the same run
+                out["cache_rules"] = cache_blind(progress, "rules")
     emit("blind", out)
 
 

@@ -54,6 +54,7 @@ from extproc.cache.semantic import (
     DEFAULT_CAPACITY,
     DEFAULT_EMBEDDER,
     DEFAULT_THRESHOLD,
+    Check,
     Facts,
     Prompt,
     SemanticIndex,
@@ -208,16 +209,17 @@ def crowd_sweep(best: np.ndarray, right: np.ndarray, same: np.ndarray) -> Curve:
 # ---------------------------------------------------------------------------------------------
 # Through the index
 
-def evaluate(kind: str, guard: bool, threshold: float, *, embedder: Embedder | None = None,
-             pairs: list[Pair] | None = None, progress: Progress | None = None) -> dict[str, Any]:
+def evaluate(kind: str, guard: bool, threshold: float | None, *, embedder: Embedder | None = None,
+             pairs: list[Pair] | None = None, progress: Progress | None = None,
+             check: Check | None = None) -> dict[str, Any]:
     """Precision and recall at ``threshold`` through a real ``SemanticIndex`` (each pair: ``a``
     added to a fresh partition, ``b`` matched), on the tune split, the held-out split and all
     pairs, and the kinds of the false hits. ``embedder``: one already built (default: ``kind``'s)."""
     pairs = load() if pairs is None else pairs
     embedder = build_embedder(kind) if embedder is None else embedder
-    index = SemanticIndex(embedder, threshold, capacity=1, guard=guard)
+    index = SemanticIndex(embedder, threshold, capacity=1, guard=guard, check=check)
     texts = list(dict.fromkeys(t for p in pairs for t in (p.a, p.b)))
-    label = f"{kind}{' + guard' if guard else ''} at {threshold}"
+    label = f"{kind} + {index.check} at {index.threshold}"
     task = progress.add_task(label, total=len(texts)) if progress else None
     prepared: dict[str, Prompt] = {}
     for start in range(0, len(texts), BATCH):
@@ -231,7 +233,7 @@ def evaluate(kind: str, guard: bool, threshold: float, *, embedder: Embedder | N
         found = index.match(str(i), prepared[pair.b])
         hit[i] = found is not None and found.key == i.to_bytes(4, "big")
     same = np.array([p.same for p in pairs])
-    result: dict[str, Any] = {"embedder": kind, "guard": guard, "threshold": threshold}
+    result: dict[str, Any] = {"embedder": kind, "guard": guard, "check": index.check, "threshold": index.threshold}
     for split in dict.fromkeys(p.split for p in pairs):
         rows = np.array([p.split == split for p in pairs])
         result[split] = figures(hit[rows], same[rows])

@@ -146,7 +146,7 @@ async def prepare_semantic_cache(indexes: SemanticIndexes, config: GatewayConfig
     """Build the semantic cache's indexes (load their embedders) before serving: a request never
     waits for an embedder to load. One that fails is logged; its caches match exact keys only."""
     caches = [*(model.cache for model in config.models), *config.route_caches.values()]
-    specs = {(s.embedder, s.threshold, s.capacity): s for c in caches if c is not None and (s := c.semantic)}
+    specs = {(s.embedder, s.threshold, s.capacity, s.check): s for c in caches if c is not None and (s := c.semantic)}
     for spec in specs.values():
         try:
             await indexes.index(spec)

@@ -72,6 +72,26 @@ async def test_a_paraphrase_finds_the_earlier_answer_once_it_is_stored(lookup: C
     assert await lookup.lookup(other) is None  # another partition (another conversation, model or tenant)
 
 
+async def test_in_shadow_mode_a_paraphrase_is_counted_and_logged_not_served(
+        lookup: CacheLookup, caplog: pytest.LogCaptureFixture) -> None:
+    shadow = SemanticCacheSpec(embedder="hashing", threshold=0.9, mode="shadow")
+    await lookup.paraphrases.indexes.index(shadow)  # type: ignore[attr-defined]
+    partition, first = os.urandom(8).hex(), os.urandom(32)
+    assert await lookup.lookup(Lookup(first, semantic=SemanticQuery(partition, "Where is the Louvre museum?",
+                                                                   shadow))) is None
+    await lookup.cache.store(first, ANSWER, ttl_s=60, stale_ttl_s=60)
+    caplog.set_level("INFO", logger="llmgw.cache")
+
+    async def judged() -> bool:  # a new key each time: the same one missing again would be hot
+        again = Lookup(os.urandom(32), semantic=SemanticQuery(partition, "where is the louvre museum", shadow))
+        assert await lookup.lookup(again) is None  # never served
+        return lookup.cache.counters.shadow > 0
+
+    await eventually(judged, what="the shadow hit")
+    assert "would have answered 'where is the louvre museum' with the answer to 'Where is the Louvre museum?'" \
+        in caplog.text
+
+
 async def test_a_warm_up_that_cannot_reach_a_pod_answers_none(lookup: CacheLookup) -> None:
     with socket.socket() as probe:  # a port nobody listens on once closed: the connection is refused
         probe.bind(("127.0.0.1", 0))

@@ -54,7 +54,11 @@ class SemanticParaphrases:
         match = index.match(query.partition, prompt)
         if match is not None and match.key != key:
             value = await self.cache.lookup(match.key)
-            if value is not None:
+            if value is not None and query.spec.mode == "shadow":  # judged, not served
+                self.cache.counters.shadow += 1
+                log.info("semantic cache (shadow): would have answered %r with the answer to %r (cosine %.3f)",
+                         query.text[:500], match.text[:500], match.score)
+            elif value is not None:
                 return SemanticHit(value, match.score)
         self.sharing.missed(query.spec.embedder, query.partition, prompt, key)
         return None

@@ -73,6 +73,7 @@ The lexical embedders are cheaper but weaker: hashing with the guard reaches 99%
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 import threading
@@ -80,10 +81,12 @@ import unicodedata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 
+from extproc.cache import paraphrase
+from extproc.cache.paraphrase import PromptFeatures
 from extproc.cjk import CJK as _CJK
 from extproc.cjk import CJK_CHAR as _CJK_CHAR
 from extproc.routing.embedders import Embedder
@@ -1099,11 +1102,12 @@ def disagreement(a: Facts, b: Facts) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    """A prompt ready to match or store: its text, unit vector and facts (None: guard off)."""
+    """A prompt ready to match or store: its text, unit vector and what the check reads of it (the
+    rules' ``Facts``, the learned check's ``PromptFeatures``; None: not read yet, or no check)."""
 
     text: str
     vector: np.ndarray
-    facts: Facts | None
+    facts: Facts | PromptFeatures | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -1126,7 +1130,7 @@ class _Partition:
         self.vectors = np.zeros((0, 0), dtype=np.float32)
         self.texts: list[str] = []
         self.keys: list[bytes] = []
-        self.facts: list[Facts | None] = []
+        self.facts: list[Facts | PromptFeatures | None] = []
         self.rows: dict[str, int] = {}  # text -> row
         self.size = 0
         self.next = 0  # the row the next new prompt takes
@@ -1170,16 +1174,23 @@ class SemanticIndex:
     a prompt, 15 MB at 10,000), plus the texts and their facts.
     """
 
-    def __init__(self, embedder: Embedder, threshold: float, capacity: int = DEFAULT_CAPACITY,
-                 guard: bool = True, candidates: int = DEFAULT_CANDIDATES) -> None:
+    def __init__(self, embedder: Embedder, threshold: float | None = None, capacity: int = DEFAULT_CAPACITY,
+                 guard: bool = True, candidates: int = DEFAULT_CANDIDATES, check: Check | None = None) -> None:
+        self.check: Check = check or default_check(embedder.name, guard)
+        self._model = paraphrase_model() if self.check == "learned" else None
+        if threshold is None:  # the learned check's lowest served cosine; else the rules' threshold
+            threshold = self._model.min_cosine if self._model is not None else DEFAULT_THRESHOLD
         if not 0.0 < threshold <= 1.0:
             raise ValueError("threshold must be in (0, 1]")
         if capacity < 1 or candidates < 1:
             raise ValueError("capacity and candidates must be >= 1")
+        if self._model is not None and self._model.embedder != embedder.name:
+            raise ValueError(f"the learned check was trained on {self._model.embedder} cosines, "
+                             f"not {embedder.name}'s")
         self.embedder = embedder
         self.threshold = threshold
         self.capacity = capacity
-        self.guard = guard
+        self.guard = self.check != "none"
         self.candidates = candidates
         self._partitions: dict[str, _Partition] = {}
         self._lock = threading.Lock()
@@ -1191,8 +1202,12 @@ class SemanticIndex:
     def prepare_many(self, texts: list[str]) -> list[Prompt]:
         """Each text embedded in one batch."""
         vectors = self.embedder.embed(texts) if texts else np.zeros((0, 0), dtype=np.float32)
-        return [Prompt(text, vector, facts(text) if self.guard else None)
-                for text, vector in zip(texts, vectors, strict=True)]
+        return [Prompt(text, vector, self._read(text)) for text, vector in zip(texts, vectors, strict=True)]
+
+    def _read(self, text: str) -> Facts | PromptFeatures | None:
+        if self.check == "learned":
+            return paraphrase.read(text)
+        return facts(text) if self.check == "rules" else None
 
     def add(self, partition: str, prompt: str | Prompt, key: bytes) -> None:
         """Remember that the answer to ``prompt`` is cached under ``key`` in ``partition``."""
@@ -1217,19 +1232,26 @@ class SemanticIndex:
             if above.size > self.candidates:
                 above = above[np.argpartition(-scores[above], self.candidates - 1)[:self.candidates]]
             for row in above[np.argsort(-scores[above], kind="stable")]:
-                stored = part.facts[row]
-                if (not self.guard or stored is None or prepared.facts is None
-                        or disagreement(prepared.facts, stored) is None):
+                if self._accepts(prepared.facts, part.facts[row], float(scores[row])):
                     return Match(part.keys[row], round(float(scores[row]), 4), part.texts[row])
             return None
 
+    def _accepts(self, query: object, stored: object, cosine: float) -> bool:
+        """Whether the check serves ``stored``'s answer for ``query`` (both read by ``_read``)."""
+        if self._model is not None and isinstance(query, PromptFeatures) and isinstance(stored, PromptFeatures):
+            return self._model.accepts(cosine, query, stored)
+        if self.check == "rules" and isinstance(query, Facts) and isinstance(stored, Facts):
+            return disagreement(query, stored) is None
+        return self.check == "none"
+
     def _prepared(self, prompt: str | Prompt) -> Prompt:
-        """``prompt`` embedded if it is a text, with its facts if the guard is on and they are
-        missing (a prompt prepared by an index without the guard)."""
+        """``prompt`` embedded if it is a text, read by this index's check if it was not (a prompt
+        shared by another process, or prepared by an index with another check)."""
         if isinstance(prompt, str):
             return self.prepare(prompt)
-        if self.guard and prompt.facts is None:
-            return Prompt(prompt.text, prompt.vector, facts(prompt.text))
+        wanted = PromptFeatures if self.check == "learned" else Facts if self.check == "rules" else type(None)
+        if not isinstance(prompt.facts, wanted):
+            return Prompt(prompt.text, prompt.vector, self._read(prompt.text))
         return prompt
 
     def size(self, partition: str) -> int:
@@ -1237,6 +1259,23 @@ class SemanticIndex:
         with self._lock:
             part = self._partitions.get(partition)
             return 0 if part is None else part.size
+
+
+Check = Literal["learned", "rules", "none"]
+
+
+@functools.cache
+def paraphrase_model() -> paraphrase.ParaphraseModel:
+    """The shipped learned check, loaded once per process."""
+    return paraphrase.ParaphraseModel.load()
+
+
+def default_check(embedder: str, guard: bool = True) -> Check:
+    """The learned check where it was trained for ``embedder``'s cosines, else the rules (``guard``
+    False: none, cosine alone)."""
+    if not guard:
+        return "none"
+    return "learned" if paraphrase_model().embedder == embedder else "rules"
 
 
 class SemanticIndexes:
@@ -1248,14 +1287,14 @@ class SemanticIndexes:
         from concurrent.futures import ThreadPoolExecutor
 
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="llmgw-semantic")
-        self._indexes: dict[tuple[str, float, int], SemanticIndex] = {}
+        self._indexes: dict[tuple[str, float | None, int, str | None], SemanticIndex] = {}
         # Called in the embedding thread with (embedder, index) when an index is built.
         self.on_built: list[Callable[[str, SemanticIndex], None]] = []
-        self._building: dict[tuple[str, float, int], Any] = {}  # builds started by ``ready``
+        self._building: dict[tuple[str, float | None, int, str | None], Any] = {}  # builds started by ``ready``
 
     async def index(self, spec: Any) -> SemanticIndex:
         """The index for ``spec`` (a ``SemanticCacheSpec``), built (its embedder loaded) on first use."""
-        key = (spec.embedder, spec.threshold, spec.capacity)
+        key = (spec.embedder, spec.threshold, spec.capacity, spec.check)
         index = self._indexes.get(key)
         if index is None:
             from extproc.routing.embedders import build_embedder
@@ -1263,7 +1302,7 @@ class SemanticIndexes:
             embedder = await self.run(build_embedder, spec.embedder)
             index = self._indexes.get(key)
             if index is None:
-                index = self._indexes[key] = SemanticIndex(embedder, spec.threshold, spec.capacity)
+                index = self._indexes[key] = SemanticIndex(embedder, spec.threshold, spec.capacity, check=spec.check)
                 for built in self.on_built:
                     await self.run(built, spec.embedder, index)
         return index
@@ -1271,7 +1310,7 @@ class SemanticIndexes:
     def ready(self, spec: Any) -> SemanticIndex | None:
         """The index for ``spec`` if it is built; else None, and its build starts in the
         background (loading an embedder takes seconds: a request never waits for it)."""
-        key = (spec.embedder, spec.threshold, spec.capacity)
+        key = (spec.embedder, spec.threshold, spec.capacity, spec.check)
         index = self._indexes.get(key)
         if index is None and key not in self._building:
             import asyncio
@@ -1281,7 +1320,7 @@ class SemanticIndexes:
             task.add_done_callback(lambda done: self._built_or_failed(key, done))
         return index
 
-    def _built_or_failed(self, key: tuple[str, float, int], task: Any) -> None:
+    def _built_or_failed(self, key: tuple[str, float | None, int, str | None], task: Any) -> None:
         self._building.pop(key, None)
         if not task.cancelled() and task.exception() is not None:
             import logging
@@ -1291,7 +1330,7 @@ class SemanticIndexes:
 
     def built(self, embedder: str) -> list[SemanticIndex]:
         """The indexes built so far for ``embedder``."""
-        return [index for (name, _, _), index in self._indexes.items() if name == embedder]
+        return [index for (name, *_), index in self._indexes.items() if name == embedder]
 
     async def run(self, work: Callable[..., T], *args: Any) -> T:
         """``work(*args)`` in the embedding thread."""

@@ -85,6 +85,7 @@ class CacheCounters:
     errors: int = 0  # the store failed: a miss
     warmed: int = 0  # hot keys fetched from a pod in the background (``Warmer``)
     hot: int = 0  # hits answered from the hot-key allow-list (no round trip), also counted in ``hits``
+    shadow: int = 0  # paraphrase hits a shadow-mode semantic cache found and did not serve
 
 
 HOT_KEYS = 1000

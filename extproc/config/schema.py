@@ -156,12 +156,21 @@ class CacheSpec(_Strict):
 class SemanticCacheSpec(_Strict):
     """Paraphrases of a cached request answered with its answer (``extproc.cache.semantic``): the
     last user turn is embedded and matched, at ``threshold``, among requests of the same tenant
-    whose other fields (the conversation before it, parameters, model) are the same; a guard
-    refuses pairs that differ in numbers, negation, names, format, direction or task."""
+    whose other fields (the conversation before it, parameters, model) are the same; each
+    candidate is then checked by a learned paraphrase classifier (or the hand-written rules)."""
 
     embedder: Literal["minilm", "hybrid", "hashing"] = "minilm"
-    threshold: Annotated[float, Field(gt=0, le=1)] = 0.80
+    # learned: the paraphrase classifier over each candidate pair (extproc/cache/paraphrase.py;
+    # trained for minilm's cosines); rules: the hand-written guard (numbers, negation, names,
+    # form, direction, task...). Default: learned where it was trained for the embedder, else rules.
+    check: Literal["learned", "rules"] | None = None
+    # The lowest cosine a stored prompt may have to be a candidate (default: the learned check's
+    # lowest served cosine, 0.80 for the rules).
+    threshold: Annotated[float, Field(gt=0, le=1)] | None = None
     capacity: Annotated[int, Field(ge=1, le=1_000_000)] = 10_000  # prompts remembered per partition
+    # shadow: a paraphrase's hit is counted (llmgw_cache_lookups_total{outcome="shadow"}) and logged
+    # with both prompts, but not served: the request goes to a pod. To judge the check on your traffic.
+    mode: Literal["serve", "shadow"] = "serve"
 
 
 class ResponseCacheSpec(_Strict):

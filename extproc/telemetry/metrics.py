@@ -73,6 +73,7 @@ class CacheCounts(Protocol):
     filtered: int
     errors: int
     warmed: int
+    shadow: int
     stored: int
 
 class GatewayMetrics:
@@ -130,7 +131,8 @@ class GatewayMetrics:
                              "hot-key allow-list answered without a round trip), miss (the store had no fresh "
                              "entry), filtered (the Bloom filter knew the key does not exist: no round trip), "
                              "error (the store failed: a miss), warmed (a hot key fetched once for the requests "
-                             "waiting on it)", ("outcome",), registry=self.registry)
+                             "waiting on it), shadow (a paraphrase a shadow-mode semantic cache would have "
+                             "served)", ("outcome",), registry=self.registry)
         self.cache_stored = Counter("llmgw_cache_stored", "Answers stored in the response cache",
                                     registry=self.registry)
         self._cache_seen: dict[str, int] = {}
@@ -231,7 +233,7 @@ class GatewayMetrics:
         if cache is not None:
             for outcome, count in (("hit", cache.hits), ("hot", cache.hot), ("miss", cache.misses),
                                    ("filtered", cache.filtered), ("error", cache.errors), ("warmed", cache.warmed),
-                                   ("stored", cache.stored)):
+                                   ("stored", cache.stored), ("shadow", cache.shadow)):
                 metric = self.cache_stored if outcome == "stored" else self.cache.labels(outcome)
                 metric.inc(count - self._cache_seen.get(outcome, 0))
                 self._cache_seen[outcome] = count

@@ -1,0 +1,260 @@
+"""The semantic cache's paraphrase check: is a stored prompt's answer right for a new one?
+
+A nearest neighbour by cosine is not enough: "the advantages of X" and "the disadvantages of X",
+"convert A to B" and "convert B to A", "17 x 23" and "17 x 24" embed alike. So each candidate the
+index finds (``SemanticIndex``) is checked in three steps:
+
+1. **Vetoes**, the checks that hold whatever the topic: numbers, the arithmetic between them,
+   their units, quoted strings, code identifiers, and a negation that is the only difference. A
+   pair that differs in any of them asks something else (``veto`` says which and how).
+2. **The same words**: two prompts that differ only in case, spacing or a closing ?, ! or . are one
+   request.
+3. **A learned classifier** over the pair decides the rest:
+
+- ``cosine``: the embedder's similarity of the two prompts;
+- ``jaccard``: shared words over all words; ``fewest_own`` / ``most_own``: how many words only one
+  of them has (the side with fewer, the side with more); ``fewest_own_content`` /
+  ``most_own_content``: the same, function words (articles, pronouns, auxiliaries, politeness) left
+  out: "what's" for "what is" rewords, "Spain" for "France" changes the question;
+- ``disorder``: how far the words both have once come in another order (a reversed relation or
+  direction changes the order, not the words);
+- ``numbers``, ``quoted``, ``code``, ``negation``: whether the numbers, the quoted strings, the code
+  identifiers, the count of negations differ (the checks that carry over across topics);
+- ``length``: the squared log ratio of their lengths.
+
+Step 2 comes before the model because the pairs it learned from hold no pair that close, and a
+stump on the cosine learned that a near miss's cosine is often the highest.
+
+The model is boosted decision stumps (an additive model: each feature's contribution is a step
+function), trained by ``python -m bench.train_paraphrase`` on this project's own labelled pairs
+(``bench/data/paraphrases*.yaml``), never on the blind sets, and shipped as
+``paraphrase_model.json`` beside this module, on the pairs the vetoes let through. Its probability
+must reach the model's own ``threshold``: the one where five-fold cross-validation of all three
+steps on the training pairs kept precision at 99%. Reading a prompt's features costs a few regular
+expressions; checking a pair, microseconds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from extproc.cjk import CJK
+
+MODEL_PATH = Path(__file__).with_name("paraphrase_model.json")
+FEATURES = ("cosine", "jaccard", "fewest_own", "most_own", "fewest_own_content", "most_own_content", "disorder",
+            "numbers", "quoted", "code", "negation", "length")
+_CJK = CJK
+_WORD = re.compile(rf"[{_CJK}]|\d+(?:[.,]\d+)*|[^\W\d_{_CJK}]+")
+_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+_QUOTED = re.compile(r"\"([^\"\n]{1,300})\"|(?<!\w)'([^'\n]{1,300})'(?!\w)|“([^”]{1,300})”|«([^»]{1,300})»"
+                     r"|「([^」]{1,300})」|`([^`\n]{1,300})`")
+_CODE = re.compile(r"[A-Za-z_]\w*(?:(?:\.|::|->)\w+)+(?:\(\))?|\b[a-z]+[A-Z]\w*|\b\w+_\w+|\b\w+\(\)")
+# Negations in the languages the cache meets most; a CJK negation is one character of its own.
+_NEGATIONS = frozenset("""not no never without none nothing nobody neither nor cannot ne pas jamais sans aucun
+    nein nicht kein keine keinen ohne nie niemals nunca sin ningún ninguna tampoco não nao nem nunca sem non senza
+    mai nessun 不 没 無 无 未 别 非 없 안 못""".split())
+_NOT = re.compile(r"n['’]t\b|ない|ません|않|없")
+_CONTRACTED = re.compile(r"\b(\w+)n['’]t\b")
+_EXPANDED = {"can't": "can not", "can’t": "can not", "won't": "will not", "won’t": "will not"}
+# Units of measure, time and money, as they are written (a plural's "s" is dropped before lookup).
+_UNIT_NAMES = {
+    "mm millimeter millimetre": "mm", "cm centimeter centimetre": "cm", "m meter metre metro": "m",
+    "km kilometer kilometre kilómetro kilometro": "km", "mi mile milla meile": "mile", "ft foot feet": "ft",
+    "in inch inche": "inch", "yd yard": "yard", "mg milligram": "mg", "g gram gramme gramo": "g",
+    "kg kilogram kilo": "kg", "lb pound": "lb", "oz ounce": "oz", "t ton tonne": "ton", "ml milliliter": "ml",
+    "l liter litre litro": "l", "gal gallon": "gallon", "cup": "cup", "tbsp tablespoon": "tbsp",
+    "tsp teaspoon": "tsp", "c celsius": "celsius", "f fahrenheit": "fahrenheit", "k kelvin": "kelvin",
+    "sec second seconde segundo sekunde": "second", "min minute minuto": "minute", "h hr hour heure hora stunde":
+    "hour", "day jour día dia tag": "day", "week semaine semana woche": "week", "month mois mes monat": "month",
+    "yr year an año ano jahr": "year", "kb kilobyte": "kb", "mb megabyte": "mb", "gb gigabyte": "gb",
+    "tb terabyte": "tb", "usd dollar $": "usd", "eur euro €": "eur", "gbp £": "gbp", "jpy yen ¥": "jpy",
+    "cny rmb yuan 元 人民币": "cny", "percent % pct": "percent", "mph": "mph", "kph kmh": "kph",
+    "公里 千米": "km", "英里": "mile", "公斤 千克": "kg", "美元": "usd", "欧元": "eur", "摄氏": "celsius",
+    "华氏": "fahrenheit", "小时": "hour", "分钟": "minute",
+}
+_UNITS = {name: unit for names, unit in _UNIT_NAMES.items() for name in names.split()}
+# A unit is one that qualifies a number: "5 km", "5km", "20 %", "$5", "5 美元"; elsewhere "in", "an"
+# or "m" are words.
+_UNIT_TOKEN = re.compile(r"\d(?:[.,]?\d)*\s?(°?[^\W\d_]+|[$€£¥%]|公里|千米|英里|公斤|千克|美元|欧元|人民币|元)"
+                         r"|([$€£¥])\s?\d")
+# Arithmetic between numbers or terms: "2x + 3" is not "2x - 3".
+_OPERATOR = re.compile(r"(?<=[\w\s)])\s*([-+*/×÷^=<>]|\*\*)\s*(?=[\w(])")
+# Words that carry no request of their own (no negation, task verb or question word among them).
+_FUNCTION_WORDS = frozenset("""a an the this that these those is are was were be been being am do does did have has
+    had i me my we us our you your it its they them their he him his she her of in on at to for from by with about
+    as than so and or but if can could would should will may might must please kindly just hey hi hello thanks
+    thank there here some any really very s t m d ll re ve le la les l un une des de du d et ou est ce c que qu je j
+    tu il nous vous moi te mon ma mes el los las una del y por para yo mi se lo der die das den dem ein eine einen
+    und oder ist ich du mir mich mein es zu von mit für bitte o os as um uma da e é eu gli di che per con""".split())
+
+
+@dataclass(frozen=True, slots=True)
+class PromptFeatures:
+    """What the check reads of one prompt, once (kept with it in the index)."""
+
+    words: tuple[str, ...]
+    digits: frozenset[str]  # numbers written in digits
+    operators: frozenset[str]  # arithmetic between numbers or terms (in a text with digits)
+    units: frozenset[str]  # units of its numbers
+    quoted: frozenset[str]
+    code: frozenset[str]
+    negations: int
+    chars: int
+    normalised: str  # lower-cased, spacing collapsed, closing punctuation dropped
+    affirmed: frozenset[str]  # its words with "n't" written out ("doesn't": "does", "not")
+
+
+def read(text: str) -> PromptFeatures:
+    """``text``'s words (lower-cased), numbers, quoted strings, code identifiers and negations."""
+    lower = text.lower()
+    words = tuple(_WORD.findall(lower))
+    quoted = frozenset("".join(groups).strip() for groups in _QUOTED.findall(text))
+    negations = sum(word in _NEGATIONS for word in words) + len(_NOT.findall(lower))
+    units = frozenset(unit for after, before in _UNIT_TOKEN.findall(lower)
+                      if (unit := _unit(after.lstrip("°") or before)))
+    operators = frozenset(_OPERATOR.findall(text)) if _has_digit(text) else frozenset()
+    affirmed = frozenset(_WORD.findall(_CONTRACTED.sub(lambda m: _EXPANDED.get(m[0], m[1] + " not"), lower)))
+    return PromptFeatures(words, frozenset(_NUMBER.findall(text)), operators, units, quoted,
+                          frozenset(_CODE.findall(text)), negations, len(text), _normalised(lower), affirmed)
+
+
+def _unit(token: str) -> str | None:
+    return _UNITS.get(token) or (_UNITS.get(token[:-1]) if token.endswith("s") else None)
+
+
+def _has_digit(text: str) -> bool:
+    return any(c.isdigit() for c in text)
+
+
+def _normalised(lower: str) -> str:
+    """The text as ``same_words`` compares it: spacing collapsed, a closing ?, ! or . dropped."""
+    return " ".join(lower.split()).rstrip("?!.。？！ ")
+
+
+def veto(a: PromptFeatures, b: PromptFeatures) -> str | None:
+    """What makes the two prompts ask different things whatever else they share (None: nothing).
+
+    Each kind is compared only where both prompts state some ("three tips" and "3 tips", "Node.js"
+    and "nodejs" are not refused for it): numbers in digits, operators between them, units of the
+    numbers, code identifiers. A quoted string must appear in the other prompt, quoted or not. A
+    negation counts where it is the difference: the prompts' other words are the same but one."""
+    for kind, first, second in (("numbers", a.digits, b.digits), ("arithmetic", a.operators, b.operators),
+                                ("units", a.units, b.units), ("code", a.code, b.code)):
+        if first and second and first != second:
+            return kind
+    if any(q.lower() not in b.normalised for q in a.quoted) or any(q.lower() not in a.normalised for q in b.quoted):
+        return "quoted"
+    if a.negations != b.negations and len((a.affirmed - _NEGATIONS) ^ (b.affirmed - _NEGATIONS)) <= 1:
+        return "negation"
+    return None
+
+
+def same_words(a: PromptFeatures, b: PromptFeatures) -> bool:
+    """The same text but for case, spacing and a closing ?, ! or .: one request ("C#" and "C++",
+    "+" and "-" are not the same words)."""
+    return a.normalised == b.normalised
+
+
+def pair_features(cosine: float, a: PromptFeatures, b: PromptFeatures) -> list[float]:
+    """The classifier's inputs for one pair, in ``FEATURES`` order."""
+    first, second = set(a.words), set(b.words)
+    shared = first & second
+    only_a, only_b = first - second, second - first
+    content_a, content_b = len(only_a - _FUNCTION_WORDS), len(only_b - _FUNCTION_WORDS)
+    return [cosine, len(shared) / max(1, len(first | second)), float(min(len(only_a), len(only_b))),
+            float(max(len(only_a), len(only_b))), float(min(content_a, content_b)), float(max(content_a, content_b)),
+            _disorder(a.words, b.words), float(a.digits != b.digits), float(a.quoted != b.quoted),
+            float(a.code != b.code), float(a.negations != b.negations),
+            math.log((a.chars + 1) / (b.chars + 1)) ** 2]
+
+
+def _disorder(first: tuple[str, ...], second: tuple[str, ...]) -> float:
+    """The share of pairs of once-used shared words whose order differs (0: the same order)."""
+    once_a = {w: i for i, w in enumerate(first) if first.count(w) == 1}
+    once_b = {w: i for i, w in enumerate(second) if second.count(w) == 1}
+    shared = [w for w in once_a if w in once_b]
+    if len(shared) < 2:
+        return 0.0
+    pairs = list(itertools.combinations(shared, 2))
+    swapped = sum(1 for x, y in pairs if (once_a[x] - once_a[y]) * (once_b[x] - once_b[y]) < 0)
+    return swapped / len(pairs)
+
+
+@dataclass(frozen=True, slots=True)
+class ParaphraseModel:
+    """Boosted stumps: each (feature, split, value if <= split, value if above) adds to the log-odds."""
+
+    stumps: tuple[tuple[int, float, float, float], ...]
+    bias: float
+    threshold: float  # the probability a pair must reach to be served as the same request
+    embedder: str = "minilm"  # whose cosines it was trained on: valid with that embedder only
+    min_cosine: float = 0.5  # no pair below it was served in cross-validation: the index's candidate floor
+
+    def probability(self, features: list[float]) -> float:
+        """The probability that the pair asks for the same answer."""
+        log_odds = self.bias + sum(left if features[j] <= split else right for j, split, left, right in self.stumps)
+        return 1.0 / (1.0 + math.exp(-log_odds))
+
+    def same(self, features: list[float]) -> bool:
+        """Whether the pair's features say it is one request."""
+        return self.probability(features) >= self.threshold
+
+    def accepts(self, cosine: float, a: PromptFeatures, b: PromptFeatures) -> bool:
+        """Whether ``b``'s stored answer is served for ``a``: no veto, and the same words or the
+        model's yes."""
+        return veto(a, b) is None and (same_words(a, b) or self.same(pair_features(cosine, a, b)))
+
+    def to_json(self, **about: object) -> str:
+        """The model as ``MODEL_PATH`` keeps it, with ``about`` (how it was trained and measured)."""
+        return json.dumps({"features": FEATURES, "embedder": self.embedder, "threshold": self.threshold,
+                           "min_cosine": self.min_cosine, **about, "bias": self.bias,
+                           "stumps": [list(s) for s in self.stumps]}, indent=1) + "\n"
+
+    @classmethod
+    def load(cls, path: Path = MODEL_PATH) -> ParaphraseModel:
+        """The shipped model (``ValueError`` if it was trained on other features)."""
+        data = json.loads(path.read_text())
+        if tuple(data["features"]) != FEATURES:
+            raise ValueError(f"{path}: trained on {data['features']}, not {list(FEATURES)}")
+        return cls(tuple((int(j), float(t), float(lo), float(hi)) for j, t, lo, hi in data["stumps"]),
+                   float(data["bias"]), float(data["threshold"]), str(data["embedder"]), float(data["min_cosine"]))
+
+
+def fit_stumps(x: np.ndarray, y: np.ndarray, rounds: int = 150, learning_rate: float = 0.1, min_leaf: int = 8,
+               l2: float = 1.0) -> tuple[tuple[tuple[int, float, float, float], ...], float]:
+    """Gradient-boosted stumps for the log-loss (Newton steps, an L2 penalty on leaf values): the
+    stumps and the bias. Deterministic: ties go to the first feature and the lowest split."""
+    prior = float(np.clip(y.mean(), 1e-6, 1 - 1e-6))
+    bias = math.log(prior / (1 - prior))
+    f = np.full(len(y), bias)
+    stumps = []
+    orders = [np.argsort(x[:, j], kind="stable") for j in range(x.shape[1])]
+    for _ in range(rounds):
+        p = 1.0 / (1.0 + np.exp(-f))
+        g, h = p - y, p * (1 - p)
+        best: tuple[float, int, float, float, float] | None = None
+        base = g.sum() ** 2 / (h.sum() + l2)
+        for j, order in enumerate(orders):
+            xs, gs, hs = x[order, j], np.cumsum(g[order]), np.cumsum(h[order])
+            for k in range(min_leaf, len(y) - min_leaf):
+                if xs[k] == xs[k - 1]:
+                    continue
+                gl, hl = gs[k - 1], hs[k - 1]
+                gr, hr = gs[-1] - gl, hs[-1] - hl
+                gain = gl ** 2 / (hl + l2) + gr ** 2 / (hr + l2) - base
+                if best is None or gain > best[0]:
+                    best = (gain, j, float((xs[k] + xs[k - 1]) / 2), float(-gl / (hl + l2)), float(-gr / (hr + l2)))
+        if best is None or best[0] <= 0:
+            break
+        _, j, split, left, right = best
+        stump = (j, split, learning_rate * left, learning_rate * right)
+        stumps.append(stump)
+        f += np.where(x[:, j] <= split, stump[2], stump[3])
+    return tuple(stumps), bias

@@ -1,0 +1,107 @@
+"""The semantic cache's paraphrase check (``extproc.cache.paraphrase``): what it reads of a prompt,
+its vetoes, the same-words rule, the boosted stumps, and the model shipped with the package."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from extproc.cache.paraphrase import (
+    FEATURES,
+    MODEL_PATH,
+    ParaphraseModel,
+    fit_stumps,
+    pair_features,
+    read,
+    same_words,
+    veto,
+)
+from extproc.cache.semantic import SemanticIndex, default_check
+from extproc.routing.embedders import HashingEmbedder
+
+
+def test_a_prompt_is_read_once_for_its_numbers_units_quotes_code_and_negations() -> None:
+    prompt = read('Convert 5 km to miles in `utils.parse()` and don\'t round "exactly" 2 + 3')
+    assert prompt.digits == {"5", "2", "3"} and prompt.units == {"km"} and prompt.operators == {"+"}
+    assert prompt.quoted == {"utils.parse()", "exactly"} and "utils.parse()" in prompt.code
+    assert prompt.negations == 1
+    assert read("Where is the museum in Paris? I want an hour there.").units == frozenset()  # no number: no unit
+
+
+@pytest.mark.parametrize(("first", "second", "kind"), [
+    ("What is 17 x 23?", "What is 17 x 24?", "numbers"),
+    ("Solve 2x + 3 = 11", "Solve 2x - 3 = 11", "arithmetic"),
+    ("Convert 100 miles to km", "Convert 100 km to km", "units"),
+    ("What does 'ephemeral' mean?", "What does 'eternal' mean?", "quoted"),
+    ("Why does foo_bar() fail?", "Why does foo_baz() fail?", "code"),
+    ("Why does my code compile?", "Why doesn't my code compile?", "negation"),
+])
+def test_a_veto_names_what_differs(first: str, second: str, kind: str) -> None:
+    assert veto(read(first), read(second)) == kind
+
+
+@pytest.mark.parametrize(("first", "second"), [
+    ("Give me three tips for sleeping", "Give me 3 tips for sleeping"),  # a number in words and in digits
+    ("What's the plural of 'cactus'?", "What is the plural of the word cactus?"),  # a quote found unquoted
+    ("I forgot my password", "I can't remember my password"),  # a negation that is not the only change
+])
+def test_what_only_one_prompt_states_is_no_veto(first: str, second: str) -> None:
+    assert veto(read(first), read(second)) is None
+
+
+def test_the_same_words_are_one_request_but_symbols_count() -> None:
+    assert same_words(read("What is the capital of France?"), read("what is  the capital of france"))
+    assert not same_words(read("How do I parse JSON in C#?"), read("How do I parse JSON in C++?"))
+
+
+def test_pair_features_follow_the_feature_names() -> None:
+    features = pair_features(0.9, read("reverse a list in python"), read("in python reverse a list please"))
+    assert len(features) == len(FEATURES)
+    named = dict(zip(FEATURES, features, strict=True))
+    assert named["cosine"] == 0.9 and named["fewest_own"] == 0 and named["most_own"] == 1
+    assert named["most_own_content"] == 0  # "please" is a function word
+    assert named["disorder"] > 0  # "in python" moved
+
+
+def test_boosted_stumps_learn_a_separable_rule_and_round_trip_through_json(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    x = rng.random((200, len(FEATURES)))
+    y = (x[:, 0] > 0.6).astype(float)  # same when the cosine is high
+    stumps, bias = fit_stumps(x, y, rounds=30)
+    model = ParaphraseModel(stumps, bias, 0.5, "hashing", 0.5)
+    assert all(model.same(list(row)) == bool(label) for row, label in zip(x, y, strict=True))
+    path = tmp_path / "model.json"
+    path.write_text(model.to_json(note="test"))
+    assert ParaphraseModel.load(path) == model
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "features": ["cosine"]}))
+    with pytest.raises(ValueError, match="trained on"):
+        ParaphraseModel.load(path)
+
+
+def test_the_shipped_model_was_cross_validated_at_99_percent_precision() -> None:
+    data = json.loads(MODEL_PATH.read_text())
+    model = ParaphraseModel.load()
+    assert model.embedder == "minilm" and tuple(data["features"]) == FEATURES and model.stumps
+    assert data["cross_validated"]["precision"] >= 0.99 and 0 < model.threshold <= 1
+    assert default_check("minilm") == "learned" and default_check("hashing") == "rules"
+    assert default_check("minilm", guard=False) == "none"
+
+
+class _MiniLMNamed(HashingEmbedder):
+    """Hashing vectors under MiniLM's name: the learned check's steps, without loading a model."""
+
+    name = "minilm"
+
+
+def test_an_index_with_the_learned_check_vetoes_and_serves_the_same_words() -> None:
+    index = SemanticIndex(_MiniLMNamed(), threshold=0.3, capacity=10)
+    assert index.check == "learned"
+    index.add("t", "What is 17 x 23?", b"k1")
+    assert index.match("t", "what is 17 x 23") is not None  # the same words
+    assert index.match("t", "What is 17 x 24?") is None  # a number vetoes it
+    with pytest.raises(ValueError, match="trained on minilm"):
+        SemanticIndex(HashingEmbedder(), check="learned")
