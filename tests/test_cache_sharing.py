@@ -93,6 +93,15 @@ async def test_a_stored_answers_prompt_reaches_every_process(node: Node) -> None
     await eventually(lambda: _matches(later, partition, question, key))
 
 
+async def test_the_process_that_stores_the_answer_of_its_own_miss_matches_it_at_once(node: Node) -> None:
+    a = await node.start()
+    partition, key = os.urandom(8).hex(), os.urandom(32)
+    a.sharing.missed("hashing", partition, await a.prepare("How tall is Mount Everest?"), key)
+    await a.cache.store(key, ANSWER, ttl_s=60, stale_ttl_s=60)
+    # No announcement or shared record read back yet: the store itself told this process.
+    assert await a.match(partition, "how tall is mount everest") == key
+
+
 async def test_a_prompt_whose_answer_is_never_stored_is_not_shared(node: Node) -> None:
     a, b = await node.start(), await node.start()
     partition, key, other = os.urandom(8).hex(), os.urandom(32), os.urandom(32)

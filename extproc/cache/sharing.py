@@ -5,9 +5,10 @@ A process that misses a semantic lookup keeps the prompt it embedded as pending,
 key its answer will be stored with. Whichever process stores that answer (the one that settles
 the request's access-log entry), the store is announced to all (``ResponseCache.listeners``); the
 process holding the pending prompt then shares it: its text, partition, key and vector
-(``ResponseCache.share``: a Redis Stream, or the node's SQLite table). Every process, the sharer
-included, adds each shared prompt to its index for that embedder, and one that starts later reads
-the ones kept (``SHARED_MAXLEN``) before the new ones. So a paraphrase is found by whichever
+(``ResponseCache.share``: a Redis Stream, or the node's SQLite table). The sharer adds it to its
+own indexes at once (and a process that stores an answer tells itself before the store announces
+it); every other process adds each shared prompt to its index for that embedder as it reads it,
+and one that starts later reads the ones kept (``SHARED_MAXLEN``) before the new ones. So a paraphrase is found by whichever
 worker or replica it reaches, and only prompts whose answers were stored take room in the index.
 
 A shared vector is used as it comes (embedding it again would cost ~8 ms per process); its facts
@@ -60,6 +61,9 @@ class PromptSharing:
             pending = self._pending.pop(key, None)
             if pending is not None:
                 embedder, partition, prompt = pending
+                # Here at once (the record coming back later only re-adds it), the others through the store.
+                for index in self.indexes.built(embedder):
+                    index.add(partition, prompt, key)
                 shared = self.cache.share(encode(embedder, partition, prompt, key))
                 task = asyncio.get_running_loop().create_task(shared)
                 self._tasks.add(task)

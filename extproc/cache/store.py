@@ -210,6 +210,8 @@ class ResponseCache:
         self.counters.stored += 1
         if key in self.missing:
             self.missing.remove(key)
+        for listener in self.listeners:  # this process at once; the others when the store announces it
+            listener([key])
 
     async def share(self, record: bytes) -> None:
         """Announce ``record`` to every process (``follow_shared``); a failure is logged."""
@@ -356,7 +358,7 @@ _SCHEMA = """CREATE TABLE IF NOT EXISTS entry (seq INTEGER PRIMARY KEY AUTOINCRE
     value BLOB NOT NULL, fresh_until INTEGER NOT NULL, expires INTEGER NOT NULL)"""
 _SHARED_SCHEMA = "CREATE TABLE IF NOT EXISTS shared (seq INTEGER PRIMARY KEY AUTOINCREMENT, record BLOB NOT NULL)"
 SHARED_KEPT = 100_000  # semantic-cache prompts kept for processes that start later
-POLL_S = 0.2  # how often a process looks for keys its neighbours stored
+POLL_S = 0.05  # how often a process looks for keys and prompts its neighbours stored (an indexed SELECT)
 PURGE_S = 60.0
 
 
