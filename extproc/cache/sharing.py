@@ -8,8 +8,9 @@ process holding the pending prompt then shares it: its text, partition, key and 
 (``ResponseCache.share``: a Redis Stream, or the node's SQLite table). The sharer adds it to its
 own indexes at once (and a process that stores an answer tells itself before the store announces
 it); every other process adds each shared prompt to its index for that embedder as it reads it,
-and one that starts later reads the ones kept (``SHARED_MAXLEN``) before the new ones. So a paraphrase is found by whichever
-worker or replica it reaches, and only prompts whose answers were stored take room in the index.
+and one that starts later reads the ones kept (``SHARED_MAXLEN``) before the new ones. So a
+paraphrase is found by whichever worker or replica it reaches, and only prompts whose answers were
+stored take room in the index.
 
 A shared vector is used as it comes (embedding it again would cost ~8 ms per process); its facts
 for the guard are read from the text again (~80 us), in the embedding thread. A record from an
