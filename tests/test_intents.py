@@ -172,15 +172,16 @@ def test_centroid_scoring_matches_an_intents_prototype_and_its_description_count
     code = Intent("code", ("fix my python loop", "write a python class"), "m", "p",
                   description="programming questions about python code")
     other = Intent("cooking", ("bake bread at home", "boil an egg"), "m", "p")
-    index = IntentIndex([code, other], HashingEmbedder(), threshold=0.0)
-    assert index.scoring == "centroid"
+    assert IntentIndex([code, other], HashingEmbedder()).scoring == "nearest"  # hashing's threshold was measured so
+    index = IntentIndex([code, other], HashingEmbedder(), threshold=0.0, scoring="centroid")
     vectors = HashingEmbedder().embed([*code.examples, code.description])
     prototype = vectors.mean(axis=0) / np.linalg.norm(vectors.mean(axis=0))
     query = "python code question"
     match = index.classify(query)
     assert match.intent == code
     assert match.score == pytest.approx(float(HashingEmbedder().embed([query])[0] @ prototype), abs=1e-4)
-    without = IntentIndex([Intent("code", code.examples, "m", "p"), other], HashingEmbedder(), threshold=0.0)
+    without = IntentIndex([Intent("code", code.examples, "m", "p"), other], HashingEmbedder(), threshold=0.0,
+                          scoring="centroid")
     assert without.classify(query).score < match.score  # the description's words are the prompt's
 
 

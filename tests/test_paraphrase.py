@@ -82,6 +82,26 @@ def test_boosted_stumps_learn_a_separable_rule_and_round_trip_through_json(tmp_p
         ParaphraseModel.load(path)
 
 
+# Pairs with MiniLM's cosines pinned: rewordings, and near misses (another side, language, form).
+REWORDED = [("How do I reverse a list in Python?", "how can i reverse a python list", 0.983),
+            ("Can you recommend a good book about stoicism?", "recommend me a good book on stoicism", 0.98),
+            ("What is the capital of Australia?", "Which city is the capital of Australia?", 0.933)]
+NEAR_MISSES = [("What are the benefits of coffee?", "What are the risks of coffee?", 0.686),
+               ("Translate this into German: I like apples", "Translate this into Spanish: I like apples", 0.868),
+               ("Write a haiku about autumn", "Write a limerick about autumn", 0.784)]
+
+
+def test_the_shipped_model_puts_rewordings_above_near_misses_and_serves_no_near_miss() -> None:
+    model = ParaphraseModel.load()
+
+    def probability(a: str, b: str, cosine: float) -> float:
+        return model.probability(pair_features(cosine, read(a), read(b)))
+
+    lowest_reworded = min(probability(*pair) for pair in REWORDED)
+    assert lowest_reworded > 0.5 > max(probability(*pair) for pair in NEAR_MISSES)
+    assert not any(model.accepts(cosine, read(a), read(b)) for a, b, cosine in NEAR_MISSES)
+
+
 def test_the_shipped_model_was_cross_validated_at_99_percent_precision() -> None:
     data = json.loads(MODEL_PATH.read_text())
     model = ParaphraseModel.load()

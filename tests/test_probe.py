@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Mapping
 
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from extproc.config import parse_config
-from extproc.launcher import free_port
 from extproc.routing.health import EndpointHealth
 from extproc.routing.probe import probe_forever
 
@@ -22,8 +22,14 @@ async def _ok(_: web.Request) -> web.Response:
 async def test_a_round_of_probes_marks_the_gone_pod_and_counts_each_pools_healthy_pods() -> None:
     app = web.Application()
     app.router.add_get("/health", _ok)
+    with socket.socket() as held:  # bound, never listening: a connection to it is refused, and no one takes it
+        held.bind(("127.0.0.1", 0))
+        await _probe_round(app, f"127.0.0.1:{held.getsockname()[1]}")
+
+
+async def _probe_round(app: web.Application, gone: str) -> None:
     async with TestServer(app) as server:
-        alive, gone = f"127.0.0.1:{server.port}", f"127.0.0.1:{free_port()}"  # nothing listens on gone
+        alive = f"127.0.0.1:{server.port}"
         config = parse_config({
             "pools": [{"name": "both", "endpoints": [alive, gone, alive], "health": {"interval_s": 0.05}},
                       {"name": "one", "endpoints": [alive]}],

@@ -32,10 +32,10 @@ class Paraphrases(Protocol):
 
 
 class SemanticParaphrases:
-    """The semantic cache's matching: the prompt is embedded in this process's embedding thread,
-    matched against the index of answered prompts (nearest neighbours, then the guard against near
-    misses, ``extproc.cache.semantic``); a prompt that missed is shared with every process
-    (``PromptSharing``) once its answer is stored."""
+    """The semantic cache's matching: the prompt is embedded in this process's embedding thread and
+    matched there against the index of answered prompts (nearest neighbours, then the paraphrase
+    check against near misses, ``extproc.cache.semantic``); a prompt that missed is shared with
+    every process (``PromptSharing``) once its answer is stored."""
 
     def __init__(self, cache: ResponseCache, indexes: SemanticIndexes, sharing: PromptSharing) -> None:
         self.cache = cache
@@ -51,14 +51,14 @@ class SemanticParaphrases:
         except Exception as error:  # noqa: BLE001 (the embedder failed: exact keys only)
             log.warning("semantic cache unavailable: %s", str(error) or type(error).__name__)
             return None
-        match = index.match(query.partition, prompt)
+        # In the embedding thread too: checking long prompts' candidates costs milliseconds.
+        match = await self.indexes.run(index.match, query.partition, prompt)
         if match is not None and match.key != key:
-            value = await self.cache.lookup(match.key)
-            if value is not None and query.spec.mode == "shadow":  # judged, not served
+            if query.spec.mode == "shadow":  # judged, not served: no store read, no hit counted
                 self.cache.counters.shadow += 1
                 log.info("semantic cache (shadow): would have answered %r with the answer to %r (cosine %.3f)",
                          query.text[:500], match.text[:500], match.score)
-            elif value is not None:
+            elif (value := await self.cache.lookup(match.key)) is not None:
                 return SemanticHit(value, match.score)
         self.sharing.missed(query.spec.embedder, query.partition, prompt, key)
         return None

@@ -31,7 +31,8 @@ function), trained by ``python -m bench.train_paraphrase`` on this project's own
 ``paraphrase_model.json`` beside this module, on the pairs the vetoes let through. Its probability
 must reach the model's own ``threshold``: the one where five-fold cross-validation of all three
 steps on the training pairs kept precision at 99%. Reading a prompt's features costs a few regular
-expressions; checking a pair, microseconds.
+expressions (linear in its length); checking a pair, tens of microseconds, and no more for a long
+prompt (word order is compared over its first ``DISORDER_WORDS`` shared words).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import itertools
 import json
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +50,7 @@ import numpy as np
 from extproc.cjk import CJK
 
 MODEL_PATH = Path(__file__).with_name("paraphrase_model.json")
+DISORDER_WORDS = 64  # shared words whose order is compared (2,016 pairs at most)
 FEATURES = ("cosine", "jaccard", "fewest_own", "most_own", "fewest_own_content", "most_own_content", "disorder",
             "numbers", "quoted", "code", "negation", "length")
 _CJK = CJK
@@ -107,7 +110,8 @@ class PromptFeatures:
     code: frozenset[str]
     negations: int
     chars: int
-    normalised: str  # lower-cased, spacing collapsed, closing punctuation dropped
+    collapsed: str  # lower-cased, spacing collapsed
+    normalised: str  # ... and a closing ?, ! or . dropped
     affirmed: frozenset[str]  # its words with "n't" written out ("doesn't": "does", "not")
 
 
@@ -115,14 +119,16 @@ def read(text: str) -> PromptFeatures:
     """``text``'s words (lower-cased), numbers, quoted strings, code identifiers and negations."""
     lower = text.lower()
     words = tuple(_WORD.findall(lower))
-    quoted = frozenset("".join(groups).strip() for groups in _QUOTED.findall(text))
+    quoted = frozenset(" ".join("".join(groups).lower().split()) for groups in _QUOTED.findall(text))
     negations = sum(word in _NEGATIONS for word in words) + len(_NOT.findall(lower))
     units = frozenset(unit for after, before in _UNIT_TOKEN.findall(lower)
                       if (unit := _unit(after.lstrip("°") or before)))
     operators = frozenset(_OPERATOR.findall(text)) if _has_digit(text) else frozenset()
     affirmed = frozenset(_WORD.findall(_CONTRACTED.sub(lambda m: _EXPANDED.get(m[0], m[1] + " not"), lower)))
+    collapsed = " ".join(lower.split())
     return PromptFeatures(words, frozenset(_NUMBER.findall(text)), operators, units, quoted,
-                          frozenset(_CODE.findall(text)), negations, len(text), _normalised(lower), affirmed)
+                          frozenset(_CODE.findall(text)), negations, len(text), collapsed,
+                          collapsed.rstrip("?!.。？！ "), affirmed)
 
 
 def _unit(token: str) -> str | None:
@@ -131,11 +137,6 @@ def _unit(token: str) -> str | None:
 
 def _has_digit(text: str) -> bool:
     return any(c.isdigit() for c in text)
-
-
-def _normalised(lower: str) -> str:
-    """The text as ``same_words`` compares it: spacing collapsed, a closing ?, ! or . dropped."""
-    return " ".join(lower.split()).rstrip("?!.。？！ ")
 
 
 def veto(a: PromptFeatures, b: PromptFeatures) -> str | None:
@@ -149,7 +150,7 @@ def veto(a: PromptFeatures, b: PromptFeatures) -> str | None:
                                 ("units", a.units, b.units), ("code", a.code, b.code)):
         if first and second and first != second:
             return kind
-    if any(q.lower() not in b.normalised for q in a.quoted) or any(q.lower() not in a.normalised for q in b.quoted):
+    if any(q not in b.collapsed for q in a.quoted) or any(q not in a.collapsed for q in b.quoted):
         return "quoted"
     if a.negations != b.negations and len((a.affirmed - _NEGATIONS) ^ (b.affirmed - _NEGATIONS)) <= 1:
         return "negation"
@@ -176,15 +177,16 @@ def pair_features(cosine: float, a: PromptFeatures, b: PromptFeatures) -> list[f
 
 
 def _disorder(first: tuple[str, ...], second: tuple[str, ...]) -> float:
-    """The share of pairs of once-used shared words whose order differs (0: the same order)."""
-    once_a = {w: i for i, w in enumerate(first) if first.count(w) == 1}
-    once_b = {w: i for i, w in enumerate(second) if second.count(w) == 1}
-    shared = [w for w in once_a if w in once_b]
+    """The share of pairs of once-used shared words whose order differs (0: the same order), over
+    the first ``DISORDER_WORDS`` of them: a long prompt costs no more than a short one."""
+    counts_a, counts_b = Counter(first), Counter(second)
+    once_b = {w: i for i, w in enumerate(second) if counts_b[w] == 1}
+    shared = [(i, once_b[w]) for i, w in enumerate(first) if counts_a[w] == 1 and w in once_b][:DISORDER_WORDS]
     if len(shared) < 2:
         return 0.0
-    pairs = list(itertools.combinations(shared, 2))
-    swapped = sum(1 for x, y in pairs if (once_a[x] - once_a[y]) * (once_b[x] - once_b[y]) < 0)
-    return swapped / len(pairs)
+    pairs = len(shared) * (len(shared) - 1) // 2
+    swapped = sum(1 for (_, x), (_, y) in itertools.combinations(shared, 2) if x > y)  # first's order is ascending
+    return swapped / pairs
 
 
 @dataclass(frozen=True, slots=True)

@@ -131,7 +131,7 @@ class Intents:
     cache_size: int
     max_chars: int
     max_pending: int
-    scoring: Literal["centroid", "nearest"] = "centroid"
+    scoring: Literal["centroid", "nearest"] | None = None  # None: the embedder's (routing.intents.scoring_for)
 
 
 @dataclass(frozen=True, slots=True)

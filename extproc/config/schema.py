@@ -172,6 +172,12 @@ class SemanticCacheSpec(_Strict):
     # with both prompts, but not served: the request goes to a pod. To judge the check on your traffic.
     mode: Literal["serve", "shadow"] = "serve"
 
+    @model_validator(mode="after")
+    def _learned_needs_its_embedder(self) -> SemanticCacheSpec:
+        if self.check == "learned" and self.embedder != "minilm":
+            raise ValueError("check: learned was trained on minilm's cosines: use embedder: minilm, or check: rules")
+        return self
+
 
 class ResponseCacheSpec(_Strict):
     """The node-wide side of the response cache: the penetration guard's Bloom filter of keys
@@ -552,8 +558,9 @@ class IntentsSpec(_Strict):
     margin: Annotated[float, Field(ge=0, le=2)] = 0.02
     # An intent's score: centroid, the similarity to the mean of its examples' vectors (its
     # prototype; the most accurate on small configs), or nearest, the mean similarity of its
-    # top_k nearest examples.
-    scoring: Literal["centroid", "nearest"] = "centroid"
+    # top_k nearest examples. Default: centroid for the multilingual embedder, nearest for the
+    # others (each embedder's own threshold was measured with that scoring).
+    scoring: Literal["centroid", "nearest"] | None = None
     top_k: Annotated[int, Field(ge=1, le=100)] = 2
     model_name: Annotated[str, Field(pattern=_NAME.pattern)] = "auto"
     default: DefaultRouteSpec

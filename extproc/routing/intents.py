@@ -2,15 +2,16 @@
 by cosine similarity of embeddings. Pure (numpy): no I/O beyond what the embedder does.
 
 ``IntentIndex`` holds every example's unit vector. A prompt's score for an intent is, with
-``scoring="centroid"`` (the default), its cosine similarity to the intent's prototype: the mean of
-its examples' vectors (the description counts as one more example), learned from the config the
-user wrote; with ``"nearest"``, to its nearest example (``top_k`` > 1: the mean over its k
-nearest). On configs of 6-8 examples an intent the prototype generalizes better than the nearest
-example, which a new prompt resembles only when it shares that example's topic (this project's
-data, bench/data/intents.yaml cut to 7 examples an intent: 92.9% against 89.9%). The best intent
-wins if its score reaches the threshold and beats the runner-up intent's by the margin; otherwise
-there is no intent and the caller routes to its default (a prompt between two intents is as
-uncertain as one near none).
+``scoring="centroid"`` (the multilingual embedder's default), its cosine similarity to the
+intent's prototype: the mean of its examples' vectors (the description counts as one more
+example), learned from the config the user wrote; with ``"nearest"`` (the other embedders'
+default: their thresholds were measured so), to its nearest example (``top_k`` > 1: the mean over
+its k nearest). On configs of 6-8 examples an intent the prototype generalizes better than the
+nearest example, which a new prompt resembles only when it shares that example's topic (this
+project's data, bench/data/intents.yaml cut to 7 examples an intent, multilingual embedder: 92.9%
+against 89.9%). The best intent wins if its score reaches the threshold and beats the runner-up
+intent's by the margin; otherwise there is no intent and the caller routes to its default (a
+prompt between two intents is as uncertain as one near none).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class IntentIndex:
 
     def __init__(self, intents: Sequence[Intent], embedder: Embedder, threshold: float | None = None,
                  margin: float = DEFAULT_MARGIN, cache_size: int = 4096, top_k: int = 1,
-                 scoring: Scoring = "centroid") -> None:
+                 scoring: Scoring | None = None) -> None:
         self.intents = tuple(intents)
         for intent in self.intents:
             if not intent.examples:
@@ -82,7 +83,7 @@ class IntentIndex:
         self.margin = margin
         self.cache_size = cache_size
         self.top_k = top_k
-        self.scoring = scoring
+        self.scoring: Scoring = scoring or scoring_for(embedder.name)
         texts = [text for intent in self.intents for text in _texts(intent)]
         self._vectors = embedder.embed(texts) if texts else np.zeros((0, 0), dtype=np.float32)
         ends = np.cumsum([len(_texts(intent)) for intent in self.intents])
@@ -170,6 +171,12 @@ class IntentIndex:
     def cached(self) -> int:
         """How many prompts the cache holds."""
         return len(self._cache)
+
+
+def scoring_for(embedder: str) -> Scoring:
+    """The scoring an embedder's own threshold was measured with: centroid for ``multilingual``
+    (chosen with it), nearest for the others (bench/routing.py, top_k 2)."""
+    return "centroid" if embedder == "multilingual" else "nearest"
 
 
 def _texts(intent: Intent) -> tuple[str, ...]:

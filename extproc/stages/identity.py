@@ -120,8 +120,9 @@ def model_not_found(name: str) -> ApiError:
 def cache_control(value: str | None) -> tuple[bool, bool]:
     """What a request's ``Cache-Control`` lets the response cache do: (read, write). ``no-cache``:
     the client wants a fresh answer (RFC 9111 5.2.1.4: not served from a store without asking the
-    origin), which is stored as usual; ``no-store`` (5.2.1.5): nothing of it is stored, and it
-    bypasses the cache altogether. Other directives (max-age, ...) change nothing."""
+    origin), which is stored as usual; ``no-store``: nothing of it is stored (5.2.1.5), and, as
+    this gateway reads it, nothing is served from the cache either: the cache is bypassed. Other
+    directives (max-age, ...) change nothing."""
     if not value:
         return True, True
     directives = {part.strip().split("=", 1)[0].strip().lower() for part in value.split(",")}

@@ -164,6 +164,7 @@ class GatewayMetrics:
             "llmgw_pool_pods_healthy", "Pods of the pool that answered their last health probe (the others get "
             "no traffic)", pool, registry=self.registry, multiprocess_mode="mostrecent")
         self._pools_seen: set[str] = set()
+        self._probed_pools: set[str] = set()
         self._seen = (0, 0, 0)  # the store's outages, local admissions and lost settlements, as last synced
         self._dropped = 0
         self._outcomes: dict[str, int] = {}
@@ -203,9 +204,13 @@ class GatewayMetrics:
         self._pools_seen = set(loads)
 
     def pods_healthy(self, pools: Mapping[str, int]) -> None:
-        """Each pool's pods that answered the last round of health probes (``probe_forever``)."""
+        """Each pool's pods that answered the last round of health probes (``probe_forever``); a
+        pool dropped by a reload reads as unknown (NaN) from then on."""
+        for name in self._probed_pools - pools.keys():
+            self.pool_pods_healthy.labels(name).set(math.nan)
         for name, healthy in pools.items():
             self.pool_pods_healthy.labels(name).set(healthy)
+        self._probed_pools = set(pools)
 
     def _set_pool(self, name: str, load: PoolLoad) -> None:
         self.pool_queue_depth.labels(name).set(load.waiting)

@@ -221,10 +221,10 @@ def test_a_merged_answer_cut_by_a_killed_pod_is_resumed_on_the_other(batching: S
     request_id = f"resumed-{uuid.uuid4()}"
     stream = gateway.chat.completions.create(
         model=MODEL_ALIAS, messages=[{"role": "user", "content": "Tell me a long story about a lighthouse."}],
-        max_tokens=60, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        max_tokens=120, temperature=0, stream=True, extra_body={"ignore_eos": True},
         extra_headers={"x-request-id": request_id})
     chunks = [next(stream) for _ in range(6)]  # the answer has begun, on one of the pods
-    victim = next(pod for pod in pods if _busy(pod))
+    victim = wait_for("a pod generating it", lambda: next((pod for pod in pods if _busy(pod)), None), timeout=10)
     victim.stop()
     try:
         chunks += list(stream)  # the coordinator carries on, on the other pod, after what was sent
@@ -235,7 +235,7 @@ def test_a_merged_answer_cut_by_a_killed_pod_is_resumed_on_the_other(batching: S
     assert finish == ["length"] and text.strip()
     record = ledger_record(batching, request_id)
     # One answer of max_tokens: the tokens sent before the cut, and the rest from the retry.
-    assert record.status == 200 and abs(record.output_tokens - 60) <= 2, record
+    assert record.status == 200 and abs(record.output_tokens - 120) <= 2, record
 
 
 def test_a_killed_pod_costs_no_request(stack: StackInfo, pods: list[LlamaPod], client: openai.OpenAI) -> None:
