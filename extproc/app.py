@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from extproc.accesslog import AccessLogReceiver
 from extproc.cache.filters import BloomFilter
-from extproc.cache.semantic import SemanticIndexes
+from extproc.cache.semantic import SemanticIndexes, index_key
 from extproc.cache.store import CACHE_PATH_ENV, HotKeys, RedisBackend, ResponseCache, SqliteBackend
 from extproc.config import LEDGER_PATH_ENV, QUOTA_PATH_ENV, ConfigError, GatewayConfig, load_config
 from extproc.gateway import Gateway
@@ -146,7 +146,7 @@ async def prepare_semantic_cache(indexes: SemanticIndexes, config: GatewayConfig
     """Build the semantic cache's indexes (load their embedders) before serving: a request never
     waits for an embedder to load. One that fails is logged; its caches match exact keys only."""
     caches = [*(model.cache for model in config.models), *config.route_caches.values()]
-    specs = {(s.embedder, s.threshold, s.capacity, s.check): s for c in caches if c is not None and (s := c.semantic)}
+    specs = {index_key(s): s for c in caches if c is not None and (s := c.semantic)}
     for spec in specs.values():
         try:
             await indexes.index(spec)

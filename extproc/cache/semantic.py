@@ -1181,6 +1181,8 @@ class SemanticIndex:
 
     def __init__(self, embedder: Embedder, threshold: float | None = None, capacity: int = DEFAULT_CAPACITY,
                  guard: bool = True, candidates: int = DEFAULT_CANDIDATES, check: Check | None = None) -> None:
+        if not guard and check not in (None, "none"):
+            raise ValueError(f"guard=False is check none, not {check}")
         self.check: Check = check or default_check(embedder.name, guard)
         self._model = paraphrase_model() if self.check == "learned" else None
         if threshold is None:  # the learned check's lowest served cosine; else the rules' threshold
@@ -1275,6 +1277,15 @@ def paraphrase_model() -> paraphrase.ParaphraseModel:
     return paraphrase.ParaphraseModel.load()
 
 
+IndexKey = tuple[str, float | None, int, Check]
+
+
+def index_key(spec: Any) -> IndexKey:
+    """What makes two ``SemanticCacheSpec`` share an index: embedder, threshold, capacity and the
+    check (an unset check as it resolves)."""
+    return spec.embedder, spec.threshold, spec.capacity, spec.check or default_check(spec.embedder)
+
+
 def default_check(embedder: str, guard: bool = True) -> Check:
     """The learned check where it was trained for ``embedder``'s cosines, else the rules (``guard``
     False: none, cosine alone)."""
@@ -1292,14 +1303,14 @@ class SemanticIndexes:
         from concurrent.futures import ThreadPoolExecutor
 
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="llmgw-semantic")
-        self._indexes: dict[tuple[str, float | None, int, str | None], SemanticIndex] = {}
+        self._indexes: dict[IndexKey, SemanticIndex] = {}
         # Called in the embedding thread with (embedder, index) when an index is built.
         self.on_built: list[Callable[[str, SemanticIndex], None]] = []
-        self._building: dict[tuple[str, float | None, int, str | None], Any] = {}  # builds started by ``ready``
+        self._building: dict[IndexKey, Any] = {}  # builds started by ``ready``
 
     async def index(self, spec: Any) -> SemanticIndex:
         """The index for ``spec`` (a ``SemanticCacheSpec``), built (its embedder loaded) on first use."""
-        key = (spec.embedder, spec.threshold, spec.capacity, spec.check)
+        key = index_key(spec)
         index = self._indexes.get(key)
         if index is None:
             from extproc.routing.embedders import build_embedder
@@ -1315,7 +1326,7 @@ class SemanticIndexes:
     def ready(self, spec: Any) -> SemanticIndex | None:
         """The index for ``spec`` if it is built; else None, and its build starts in the
         background (loading an embedder takes seconds: a request never waits for it)."""
-        key = (spec.embedder, spec.threshold, spec.capacity, spec.check)
+        key = index_key(spec)
         index = self._indexes.get(key)
         if index is None and key not in self._building:
             import asyncio
@@ -1325,7 +1336,7 @@ class SemanticIndexes:
             task.add_done_callback(lambda done: self._built_or_failed(key, done))
         return index
 
-    def _built_or_failed(self, key: tuple[str, float | None, int, str | None], task: Any) -> None:
+    def _built_or_failed(self, key: IndexKey, task: Any) -> None:
         self._building.pop(key, None)
         if not task.cancelled() and task.exception() is not None:
             import logging

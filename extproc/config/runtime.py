@@ -74,6 +74,12 @@ class Model:
     cache: CacheSpec | None = None
     fallback: tuple[str, ...] = ()  # models serving its requests while its pool cannot
 
+    @property
+    def jinja_template(self) -> JinjaChatTemplate | None:
+        """Its own Jinja chat template, which counts its chats' tokens whole (None for ChatML,
+        the named default, or no template)."""
+        return self.chat_template if isinstance(self.chat_template, JinjaChatTemplate) else None
+
 
 @dataclass(frozen=True, slots=True)
 class Tenant:

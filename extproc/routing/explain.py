@@ -8,7 +8,6 @@ from typing import Any
 
 from extproc.api import OPERATIONS_BY_PATH, ApiError, load_object, validate
 from extproc.body import BodyLimits, check_structure
-from extproc.chat_template import JinjaChatTemplate
 from extproc.config import GatewayConfig
 from extproc.routing.classifier import build_index
 from extproc.routing.features import extract, intent_text
@@ -88,6 +87,5 @@ def explain(config: GatewayConfig, body: bytes, path: str = "/v1/chat/completion
 def _estimator(config: GatewayConfig, served: str | None) -> TokenEstimator:
     model = config.lookup(served) if served else None
     if model is not None and model.tokenizer is not None:
-        template = model.chat_template if isinstance(model.chat_template, JinjaChatTemplate) else None
-        return BpeEstimator.from_spec(str(model.tokenizer), chat_template=template)
+        return BpeEstimator.from_spec(str(model.tokenizer), chat_template=model.jinja_template)
     return FallbackEstimator()

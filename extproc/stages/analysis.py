@@ -9,7 +9,6 @@ from dataclasses import replace
 from extproc import validation
 from extproc.api import ApiError
 from extproc.body import NO_RULES, Analysis, BodyLimits, Routing, SemanticRouting, analyze, with_model
-from extproc.chat_template import JinjaChatTemplate
 from extproc.config import GatewayConfig
 from extproc.routing.intents import IntentMatch
 from extproc.state import RequestState
@@ -31,8 +30,7 @@ class BodyAnalysis:
         for model in config.models:
             if model.tokenizer is None:
                 continue
-            # The model's own Jinja template counts its chats whole (a named one is the default's)
-            template = model.chat_template if isinstance(model.chat_template, JinjaChatTemplate) else None
+            template = model.jinja_template
             spec = (str(model.tokenizer), template.source if template is not None else None)
             if spec not in self._loaded:
                 self._loaded[spec] = loaded.get(spec) or BpeEstimator.from_spec(spec[0], chat_template=template)
