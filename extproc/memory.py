@@ -14,7 +14,6 @@ mmap, page faults and all: a 220 KB prompt's analysis cost ~2.5 ms more of CPU (
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 from collections.abc import Callable
@@ -34,9 +33,11 @@ def resident_bytes() -> int:
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
+    # The C library already loaded in this process, not ctypes.util.find_library("c"): that runs
+    # ldconfig in a child process, and a fork beside gRPC's running event engine can abort the
+    # worker (grpc/grpc#43055: its poller restarted in the child meets a closed epoll fd).
     try:
-        return ctypes.CDLL(name).malloc_trim
+        return ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS)
         return None
 
