@@ -29,7 +29,7 @@ from extproc.routing.embedders import (
     build_embedder,
     gelu,
 )
-from extproc.routing.intents import Intent, IntentIndex, IntentMatch, decide
+from extproc.routing.intents import Intent, IntentIndex, IntentMatch, background_prompts, decide
 from llmgw_sim import SimOptions, build_app
 
 REPO = Path(__file__).resolve().parents[1]
@@ -183,6 +183,25 @@ def test_centroid_scoring_matches_an_intents_prototype_and_its_description_count
     without = IntentIndex([Intent("code", code.examples, "m", "p"), other], HashingEmbedder(), threshold=0.0,
                           scoring="centroid")
     assert without.classify(query).score < match.score  # the description's words are the prompt's
+
+
+def test_a_prompt_more_like_general_traffic_than_like_its_intent_takes_the_default_route() -> None:
+    code = Intent("code", ("fix my python loop", "debug my python class"), "m", "p")
+    background = ["what is the weather like today", "tell me a joke about cats", "fix my python loop now",
+                  "plan a trip to rome", "what time is it in tokyo"]
+    index = IntentIndex([code], HashingEmbedder(), threshold=-1.0, scoring="centroid", background=background)
+    assert index.background_size == 4  # the general prompt like the intent is left out
+    assert index.classify("fix my python loop please").intent == code
+    assert index.classify("tell me a joke about cats please").intent is None  # general traffic
+    plain = IntentIndex([code], HashingEmbedder(), threshold=-1.0, scoring="centroid")
+    assert plain.classify("tell me a joke about cats please").intent == code  # no background: taken
+    nearest = IntentIndex([code], HashingEmbedder(), threshold=0.0, scoring="nearest", background=background)
+    assert nearest.background_size == 0  # measured with centroid scoring only
+
+
+def test_the_shipped_background_is_general_prompts_one_a_line() -> None:
+    prompts = background_prompts()
+    assert len(prompts) > 400 and all(p.strip() == p and "\n" not in p for p in prompts)
 
 
 def test_index_edge_cases() -> None:

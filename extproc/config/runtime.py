@@ -138,6 +138,7 @@ class Intents:
     max_chars: int
     max_pending: int
     scoring: Literal["centroid", "nearest"] | None = None  # None: the embedder's (routing.intents.scoring_for)
+    background: bool = True  # compare with general prompts (centroid scoring)
 
 
 @dataclass(frozen=True, slots=True)

@@ -561,6 +561,9 @@ class IntentsSpec(_Strict):
     # top_k nearest examples. Default: centroid for the multilingual embedder, nearest for the
     # others (each embedder's own threshold was measured with that scoring).
     scoring: Literal["centroid", "nearest"] | None = None
+    # With centroid scoring: a prompt more like general traffic (the shipped background.txt, less
+    # what resembles your intents) than like its best intent takes the default route.
+    background: bool = True
     top_k: Annotated[int, Field(ge=1, le=100)] = 2
     model_name: Annotated[str, Field(pattern=_NAME.pattern)] = "auto"
     default: DefaultRouteSpec

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from extproc.config import Intents
 from extproc.routing.embedders import build_embedder
-from extproc.routing.intents import Intent, IntentIndex, IntentMatch, scoring_for
+from extproc.routing.intents import Intent, IntentIndex, IntentMatch, background_prompts, scoring_for
 
 log = logging.getLogger("llmgw.intents")
 BATCH = 32
@@ -47,7 +47,8 @@ def build_index(intents: Intents) -> IntentIndex:
     routes = tuple(Intent(r.name, r.examples, r.model, r.pool, r.description) for r in intents.routes)
     return IntentIndex(routes, embedder, threshold=intents.threshold, margin=intents.margin,
                        cache_size=intents.cache_size, top_k=intents.top_k,
-                       scoring=intents.scoring or scoring_for(embedder.name))
+                       scoring=intents.scoring or scoring_for(embedder.name),
+                       background=background_prompts() if intents.background else ())
 
 
 class IntentClassifier:

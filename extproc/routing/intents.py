@@ -10,16 +10,20 @@ its k nearest). On configs of 6-8 examples an intent the prototype generalizes b
 nearest example, which a new prompt resembles only when it shares that example's topic (this
 project's data, bench/data/intents.yaml cut to 7 examples an intent, multilingual embedder: 92.9%
 against 89.9%). The best intent wins if its score reaches the threshold and beats the runner-up
-intent's by the margin; otherwise there is no intent and the caller routes to its default (a
+intent's by the margin, and (centroid scoring, ``background``) the prompt is not more like general
+traffic than like that intent; otherwise there is no intent and the caller routes to its default (a
 prompt between two intents is as uncertain as one near none).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -27,6 +31,16 @@ import numpy as np
 from extproc.routing.embedders import Embedder
 
 DEFAULT_MARGIN = 0.02
+# The background (centroid scoring): general prompts (background.txt) whose cosine to every
+# intent's prototype is under BACKGROUND_CLEAN stand for traffic of no intent; a prompt whose best
+# intent scores less than BACKGROUND_MARGIN above the mean of its BACKGROUND_K nearest of them takes
+# the default route. Chosen on this project's own data (bench/data/intents.yaml cut to 7 examples
+# and a description an intent, 8 draws): out-of-domain prompts kept at the default 84.4% -> 96.2%,
+# in-domain 94.5% -> 92.8%, accuracy 92.9% -> 93.3%.
+BACKGROUND_PATH = Path(__file__).with_name("background.txt")
+BACKGROUND_CLEAN = 0.3
+BACKGROUND_K = 3
+BACKGROUND_MARGIN = -0.1
 Scoring = Literal["centroid", "nearest"]
 
 
@@ -51,8 +65,11 @@ class IntentMatch:
     best: str  # the best intent's name, even when refused ("" without intents)
 
 
-def decide(intents: Sequence[Intent], scores: np.ndarray, threshold: float, margin: float) -> IntentMatch:
-    """The match for one prompt from its per-intent ``scores`` (aligned with ``intents``)."""
+def decide(intents: Sequence[Intent], scores: np.ndarray, threshold: float, margin: float,
+           background: float = -math.inf, background_margin: float = 0.0) -> IntentMatch:
+    """The match for one prompt from its per-intent ``scores`` (aligned with ``intents``); it must
+    also score at least ``background_margin`` above its ``background`` score (its similarity to the
+    general prompts nearest it)."""
     if len(intents) == 0:
         return IntentMatch(None, 0.0, -1.0, "")
     order = np.argsort(-scores, kind="stable")  # stable: a tie goes to the intent listed first
@@ -60,8 +77,8 @@ def decide(intents: Sequence[Intent], scores: np.ndarray, threshold: float, marg
     second = int(order[1]) if len(order) > 1 else None
     top = float(scores[first])
     runner_up = float(scores[second]) if second is not None else -1.0
-    chosen = intents[first] if top >= threshold and top - runner_up >= margin else None
-    return IntentMatch(chosen, round(top, 4), round(runner_up, 4), intents[first].name)
+    sure = top >= threshold and top - runner_up >= margin and top - background >= background_margin
+    return IntentMatch(intents[first] if sure else None, round(top, 4), round(runner_up, 4), intents[first].name)
 
 
 class IntentIndex:
@@ -71,7 +88,7 @@ class IntentIndex:
 
     def __init__(self, intents: Sequence[Intent], embedder: Embedder, threshold: float | None = None,
                  margin: float = DEFAULT_MARGIN, cache_size: int = 4096, top_k: int = 1,
-                 scoring: Scoring | None = None) -> None:
+                 scoring: Scoring | None = None, background: Sequence[str] = ()) -> None:
         self.intents = tuple(intents)
         for intent in self.intents:
             if not intent.examples:
@@ -93,6 +110,7 @@ class IntentIndex:
             if self.intents else np.zeros((0, 0), dtype=np.float32)
         norms = np.linalg.norm(prototypes, axis=1, keepdims=True)
         self._prototypes = np.divide(prototypes, norms, out=np.zeros_like(prototypes), where=norms > 0)
+        self._background = self._general(background)
         self._cache: OrderedDict[str, IntentMatch] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -111,11 +129,32 @@ class IntentIndex:
         """Each intent's prototype: the normalised mean of its rows."""
         return self._prototypes
 
+    def _general(self, background: Sequence[str]) -> np.ndarray:
+        """The background prompts' vectors, less those like one of this config's intents (a general
+        set holds some prompts of any domain): used with centroid scoring only."""
+        if not background or not self.intents or self.scoring != "centroid":
+            return np.zeros((0, self._prototypes.shape[1] if self.intents else 0), dtype=np.float32)
+        vectors = self.embedder.embed(list(background))
+        return vectors[(vectors @ self._prototypes.T).max(axis=1) < BACKGROUND_CLEAN]
+
+    @property
+    def background_size(self) -> int:
+        """How many general prompts the index compares a prompt with (after those like an intent left)."""
+        return len(self._background)
+
     def scores(self, texts: list[str]) -> np.ndarray:
         """(len(texts), len(intents)): each text's score for each intent (see the module docstring)."""
         if not self.intents:
             return np.zeros((len(texts), 0), dtype=np.float32)
-        vectors = self.embedder.embed(texts)
+        return self._scores(self.embedder.embed(texts))
+
+    def _background_scores(self, vectors: np.ndarray) -> np.ndarray:
+        """Each vector's mean similarity to its ``BACKGROUND_K`` nearest general prompts (-inf: none)."""
+        if len(self._background) < BACKGROUND_K:
+            return np.full(len(vectors), -np.inf)
+        return np.sort(vectors @ self._background.T, axis=1)[:, -BACKGROUND_K:].mean(axis=1)
+
+    def _scores(self, vectors: np.ndarray) -> np.ndarray:
         if self.scoring == "centroid":
             return vectors @ self._prototypes.T  # (texts, intents)
         similarity = vectors @ self._vectors.T  # (texts, examples)
@@ -144,10 +183,13 @@ class IntentIndex:
                     self._cache.move_to_end(text)
                     found[text] = match
         missing = list(dict.fromkeys(text for text in texts if text not in found))
-        if missing:
-            scores = self.scores(missing)
-            fresh = {text: decide(self.intents, row, self.threshold, self.margin)
-                     for text, row in zip(missing, scores, strict=True)}
+        if missing and not self.intents:
+            found.update({text: IntentMatch(None, 0.0, -1.0, "") for text in missing})
+        elif missing:
+            vectors = self.embedder.embed(missing)
+            scores, general = self._scores(vectors), self._background_scores(vectors)
+            fresh = {text: decide(self.intents, row, self.threshold, self.margin, float(bg), BACKGROUND_MARGIN)
+                     for text, row, bg in zip(missing, scores, general, strict=True)}
             found.update(fresh)
             self._remember(fresh)
         return [found[text] for text in texts]
@@ -182,3 +224,9 @@ def scoring_for(embedder: str) -> Scoring:
 def _texts(intent: Intent) -> tuple[str, ...]:
     """What an intent's vectors are made of: its examples, and its description if it has one."""
     return (*intent.examples, intent.description) if intent.description else intent.examples
+
+
+@functools.cache
+def background_prompts() -> tuple[str, ...]:
+    """The shipped general prompts (``background.txt``), read once."""
+    return tuple(line for line in BACKGROUND_PATH.read_text().splitlines() if line and not line.startswith("#"))
