@@ -366,9 +366,17 @@ def spawn_extproc_workers(group: ProcessGroup, config_path: str | Path, host: st
         group.spawn(f"extproc-{i + 1}", [
             sys.executable, "-m", "extproc.app", "--config", str(config_path),
             "--host", host, "--port", str(port), "--log-level", log_level,
-        ], env=env)
+        ], env={**worker_blas_env(), **env})
         for i in range(count)
     ]
+
+
+def worker_blas_env() -> dict[str, str]:
+    """One BLAS thread per worker unless the environment says otherwise: a worker's matrix products
+    (an embedding, ~2.5 ms) are small, and OpenBLAS's second thread spins against Envoy and the
+    other workers for the same cores (``model: auto`` added 5.0 ms at p50 through the stack with
+    one thread, 5.9 with OpenBLAS's default; bench.blind --stack, 2 cores)."""
+    return {} if "OPENBLAS_NUM_THREADS" in os.environ else {"OPENBLAS_NUM_THREADS": "1"}
 
 
 def reload_extproc(group: ProcessGroup) -> int:
