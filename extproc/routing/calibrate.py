@@ -75,8 +75,8 @@ def calibrate(index: IntentIndex) -> Calibration:
         start, end = spans[i]
         for row in range(start, start + len(intent.examples)):  # the description is never held out
             held_out = vectors[row]
-            scores = np.array([_score(index, held_out, vectors[s:e] if j != i else np.delete(vectors[s:e], row - s, 0))
-                               for j, (s, e) in enumerate(spans)], dtype=np.float32)
+            rest = [vectors[s:e] if j != i else np.delete(vectors[s:e], row - s, 0) for j, (s, e) in enumerate(spans)]
+            scores = np.array([index.score_rows(held_out, rows) for rows in rest], dtype=np.float32)
             match = decide(intents, scores, index.threshold, index.margin)
             total[intent.name] += 1
             if match.intent is None:
@@ -104,15 +104,3 @@ def calibrate(index: IntentIndex) -> Calibration:
 
 def _pair(first: str, second: str) -> tuple[str, str]:
     return (first, second) if first < second else (second, first)
-
-
-def _score(index: IntentIndex, vector: np.ndarray, rows: np.ndarray) -> float:
-    """``vector``'s score for an intent made of ``rows``, as ``IntentIndex.scores`` computes it."""
-    if len(rows) == 0:
-        return -1.0
-    if index.scoring == "centroid":
-        prototype = rows.mean(axis=0)
-        norm = float(np.linalg.norm(prototype))
-        return float(vector @ prototype) / norm if norm > 0 else 0.0
-    similarity = np.sort(rows @ vector)
-    return float(similarity[-index.top_k:].mean())

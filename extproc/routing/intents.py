@@ -106,10 +106,8 @@ class IntentIndex:
         ends = np.cumsum([len(_texts(intent)) for intent in self.intents])
         self._spans = [(int(end) - len(_texts(intent)), int(end))
                        for intent, end in zip(self.intents, ends, strict=True)]
-        prototypes = np.stack([self._vectors[start:end].mean(axis=0) for start, end in self._spans]) \
+        self._prototypes = np.stack([prototype(self._vectors[start:end]) for start, end in self._spans]) \
             if self.intents else np.zeros((0, 0), dtype=np.float32)
-        norms = np.linalg.norm(prototypes, axis=1, keepdims=True)
-        self._prototypes = np.divide(prototypes, norms, out=np.zeros_like(prototypes), where=norms > 0)
         self._background = self._general(background)
         self._cache: OrderedDict[str, IntentMatch] = OrderedDict()
         self._lock = threading.Lock()
@@ -147,6 +145,15 @@ class IntentIndex:
         if not self.intents:
             return np.zeros((len(texts), 0), dtype=np.float32)
         return self._scores(self.embedder.embed(texts))
+
+    def score_rows(self, vector: np.ndarray, rows: np.ndarray) -> float:
+        """``vector``'s score for an intent made of ``rows`` (unit vectors), as ``scores`` computes
+        an intent's (-1.0 for no rows)."""
+        if len(rows) == 0:
+            return -1.0
+        if self.scoring == "centroid":
+            return float(vector @ prototype(rows))
+        return float(np.sort(rows @ vector)[-self.top_k:].mean())
 
     def _background_scores(self, vectors: np.ndarray) -> np.ndarray:
         """Each vector's mean similarity to its ``BACKGROUND_K`` nearest general prompts (-inf: none)."""
@@ -213,6 +220,13 @@ class IntentIndex:
     def cached(self) -> int:
         """How many prompts the cache holds."""
         return len(self._cache)
+
+
+def prototype(rows: np.ndarray) -> np.ndarray:
+    """An intent's prototype: the normalised mean of its rows (zeros where they cancel out)."""
+    mean = rows.mean(axis=0)
+    norm = float(np.linalg.norm(mean))
+    return mean / norm if norm > 0 else np.zeros_like(mean)
 
 
 def scoring_for(embedder: str) -> Scoring:
