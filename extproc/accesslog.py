@@ -21,6 +21,7 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from google.protobuf.struct_pb2 import ListValue, Struct
 
 from extproc.accounting import NAMESPACE, RESPONSE_NAMESPACE, Decision, ResponseFacts, Usage
+from extproc.envoybuild.names import ATTEMPT_LOG
 from extproc.sinks import Settlement
 
 log = logging.getLogger("llmgw.accesslog")
@@ -51,12 +52,26 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
     async def StreamAccessLogs(  # noqa: N802 (the gRPC method name)
         self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage], context: grpc.aio.ServicerContext
     ) -> als_pb2.StreamAccessLogsResponse:
-        """Read a stream of batches until Envoy closes it."""
+        """Read a stream of batches until Envoy closes it (its first message names the log)."""
+        attempts = False
         async for message in request_iterator:
+            if message.HasField("identifier"):
+                attempts = message.identifier.log_name == ATTEMPT_LOG
             for entry in message.http_logs.log_entry:
                 self.entries += 1
-                self.receive(entry)
+                if attempts:
+                    self.refused(entry)
+                else:
+                    self.receive(entry)
         return als_pb2.StreamAccessLogsResponse()
+
+    def refused(self, entry: al.HTTPAccessLogEntry) -> None:
+        """One attempt a pod refused (the router's upstream log): a pod that asked for a pause gets
+        it, even when Envoy retried the request on another pod and its client got an answer."""
+        retry_after_s = _retry_after(entry.response.response_headers.get("retry-after", ""))
+        address = entry.common_properties.upstream_remote_address.socket_address
+        if retry_after_s is not None and address.address:
+            self.settlement.feedback.paused(f"{address.address}:{address.port_value}", retry_after_s)
 
     def receive(self, entry: al.HTTPAccessLogEntry) -> None:
         """One entry: a running request's renewal, or a finished one's settlement."""

@@ -66,3 +66,16 @@ def test_fallback_is_the_least_loaded_other_endpoint() -> None:
     assert fallback not in (first, second)  # the only one with nothing in flight
     assert picker.fallback(("a:1",), "a:1") is None  # nowhere else to go
     assert picker.in_flight(fallback) == 0  # a fallback is not counted: it serves only a retry
+
+
+def test_a_failed_attempt_does_not_cut_short_a_pause_the_pod_asked_for() -> None:
+    # The router's log of the refused attempt (retry-after: 30) comes first; the request's own entry
+    # (retried elsewhere) then backs the pod off for 2 s, which must not end the 30 s.
+    clock = Clock()
+    health = EndpointHealth(clock)
+    health.pause("a:1", 30.0)
+    health.attempt_failed("a:1")
+    clock.now += 29
+    assert "a:1" not in health.usable(PODS)
+    clock.now += 1
+    assert health.usable(PODS) == PODS

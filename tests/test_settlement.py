@@ -7,16 +7,19 @@ node's SQLite file): one decides, the other receives the access-log entry carryi
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import AsyncIterator
 
 import orjson
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2 as al
+from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.struct_pb2 import Struct
 
 from extproc.accesslog import AccessLogReceiver
 from extproc.config import hash_key, parse_config
+from extproc.envoybuild.names import ATTEMPT_LOG
 from extproc.gateway import Gateway
 from extproc.ledger import UsageRecord
 from extproc.quota import MemoryStore
@@ -145,3 +148,26 @@ async def test_a_periodic_entry_renews_the_lease_and_settles_nothing() -> None:
     await worker.settlement.drain()
     assert worker.settlement.settled == 0 and worker.ledger.records == []
     assert await admitted(worker) is None  # still running: still holding its slot
+
+
+async def test_a_refused_attempt_on_the_router_log_pauses_its_pod_for_the_time_it_asked() -> None:
+    # Envoy retried the request elsewhere and its own entry names the other pod; the router's log of
+    # the refused attempt (its own stream, log name llmgw-attempt) carries the pod's retry-after.
+    worker = Worker(MemoryStore(lease_ttl_s=60))
+    pods = worker.gateway.config.pools["general"].endpoints
+    refused = al.HTTPAccessLogEntry()
+    refused.common_properties.upstream_remote_address.socket_address.address = pods[0].rsplit(":", 1)[0]
+    refused.common_properties.upstream_remote_address.socket_address.port_value = int(pods[0].rsplit(":", 1)[1])
+    refused.response.response_code.value = 503
+    refused.response.response_headers["retry-after"] = "30"
+
+    async def messages() -> AsyncIterator[als_pb2.StreamAccessLogsMessage]:
+        first = als_pb2.StreamAccessLogsMessage()
+        first.identifier.log_name = ATTEMPT_LOG
+        first.http_logs.log_entry.append(refused)
+        yield first
+
+    await worker.receiver.StreamAccessLogs(messages(), _Context())  # type: ignore[arg-type]
+    health = worker.gateway.router.health
+    assert not health.is_usable(pods[0], now=time.monotonic() + 29)
+    assert health.is_usable(pods[0], now=time.monotonic() + 31)

@@ -25,7 +25,7 @@ from extproc.envoybuild.envoyapi import (
     typev3,
     zstdv3,
 )
-from extproc.envoybuild.logs import extproc_service
+from extproc.envoybuild.logs import attempt_log, extproc_service
 from extproc.envoybuild.output import seconds, typed
 
 
@@ -122,5 +122,7 @@ def response_reader(*, disabled: bool = False) -> hcmv3.HttpFilter:
 
 
 def router() -> hcmv3.HttpFilter:
-    """The router, always last (a terminal filter cannot be disabled)."""
-    return hcmv3.HttpFilter(name=names.ROUTER_FILTER, typed_config=typed(routerv3.Router()))
+    """The router, always last (a terminal filter cannot be disabled). Its attempts that pods
+    refused are logged to extproc too (``logs.attempt_log``)."""
+    return hcmv3.HttpFilter(name=names.ROUTER_FILTER,
+                            typed_config=typed(routerv3.Router(upstream_log=[attempt_log()])))

@@ -59,6 +59,32 @@ def settlement_log() -> accesslogv3.AccessLog:
     )
 
 
+def attempt_log() -> accesslogv3.AccessLog:
+    """The router's per-attempt log (``upstream_log``): each attempt a pod refused with 429 or 503
+    goes to extproc's access log service under the log name ``llmgw-attempt``, with the pod's
+    ``retry-after``. The request's own entry names only the last attempt's pod, so a pod that asked
+    for a pause and whose request Envoy retried elsewhere would go unheard without it."""
+    refused = [accesslogv3.AccessLogFilter(status_code_filter=accesslogv3.StatusCodeFilter(
+        comparison=accesslogv3.ComparisonFilter(op=accesslogv3.ComparisonFilterOp.EQ,
+                                                value=corev3.RuntimeUInt32(default_value=status,
+                                                                           runtime_key=f"llmgw.attempt_log_{status}"))))
+        for status in (429, 503)]
+    return accesslogv3.AccessLog(
+        name="envoy.access_loggers.http_grpc",
+        filter=accesslogv3.AccessLogFilter(or_filter=accesslogv3.OrFilter(filters=refused)),
+        typed_config=typed(grpclogv3.HttpGrpcAccessLogConfig(
+            additional_response_headers_to_log=["retry-after"],
+            common_config=grpclogv3.CommonGrpcAccessLogConfig(
+                log_name=names.ATTEMPT_LOG,
+                transport_api_version=corev3.ApiVersion.V3,
+                grpc_service=extproc_service(),
+                buffer_flush_interval=seconds(1),
+                buffer_size_bytes=0,
+            ),
+        )),
+    )
+
+
 def log_options(spec: GatewaySpec) -> hcmv3.HttpConnectionManagerHcmAccessLogOptions:
     """In-flight requests are logged every third of ``quota.lease_ttl_s`` too (DownstreamPeriodic):
     the entry renews a long generation's concurrency lease. Every access log of the connection

@@ -29,6 +29,7 @@ POOL_HEADER = "x-llmgw-pool"
 ENDPOINT_HEADER = "x-gateway-destination-endpoint"  # "pick,fallback": one per attempt (override_host)
 
 METADATA_NAMESPACE = "llmgw"  # extproc's decision, as dynamic metadata
+ATTEMPT_LOG = "llmgw-attempt"  # the access-log name of the router's refused attempts (logs.attempt_log)
 
 # The ways in `llmgw envoy-config --target` builds (extproc.envoybuild.targets).
 TARGET_NAMES = ("local", "compose", "tls", "snippet", "istio")

@@ -66,6 +66,11 @@ class RoutingFeedback:
         self.learn(record)
         return changes
 
+    def paused(self, endpoint: str, seconds: float) -> None:
+        """A pod refused an attempt with ``retry-after``: no traffic from this process for that long."""
+        self._health.pause(endpoint, seconds)
+        log.warning("pod %s asked for a pause: no traffic for %.0f s", endpoint, seconds)
+
     def _feed_breakers(self, record: RequestRecord, served_elsewhere: bool) -> list[BreakerChange]:
         breakers, decision = self._breakers, record.decision
         failed = record.pod_failed

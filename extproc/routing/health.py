@@ -52,7 +52,8 @@ class EndpointHealth:
         now = self._clock()
         previous = self._ejected.get(endpoint)
         backoff = BACKOFF_S if previous is None else min(previous.backoff * 2, MAX_BACKOFF_S)
-        self._ejected[endpoint] = _Ejection(now + backoff, backoff)
+        # A pause the pod asked for (its refused attempt logged first) is not cut short.
+        self._ejected[endpoint] = _Ejection(max(now + backoff, previous.until if previous else 0.0), backoff)
         return backoff
 
     def pause(self, endpoint: str, seconds: float) -> None:
