@@ -55,6 +55,7 @@ log = logging.getLogger("llmgw.extproc")
 ENVOY_BUFFER_LIMIT = 32 * 1024 * 1024
 RELOAD_INTERVAL_S = 2.0
 HOUSEKEEPING_S = 5.0
+FIRST_KEYS_TIMEOUT_S = 10.0  # a starting worker waits this long for Redis's key table, then serves without it
 
 
 def build_store(config: GatewayConfig) -> QuotaStore:
@@ -247,6 +248,21 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     await configure_intents(classifier, config)  # before serving: "auto" is routed from the first request
     server, processor, health = await build_server(config, gateway, store, settlement, analyzer, classifier, cache)
     await prepare_semantic_cache(processor.semantic, config)
+    # Keys stored in Redis: each process polls the table's version (1 s) and swaps in a snapshot,
+    # so lookups never wait on Redis and a revoked key stops working within about a second. The
+    # first load comes before the port opens: a valid key is never refused by a worker just started.
+    key_table = RedisKeyTable.from_url(config.redis_url) if config.redis_url else None
+
+    def use_keys(snapshot: KeySnapshot) -> None:
+        gateway.set_redis_keys(snapshot)
+        metrics.keys_version.set(snapshot.version)
+
+    first_keys = None
+    if key_table is not None:
+        metrics.keys_version.set(NO_VERSION)
+        first_keys = await key_table.load_first(FIRST_KEYS_TIMEOUT_S)
+        if first_keys is not None:
+            use_keys(first_keys)
     bound = server.add_insecure_port(f"{host}:{port}")
     # What is loaded by now (config, tokenizers, schemas, metrics) lives as long as the process:
     # the cyclic collector need not walk it again at each full collection.
@@ -261,18 +277,8 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     reload_now = asyncio.Event()  # SIGHUP: reload the config file now
     watcher = asyncio.create_task(watch_config(config_path, gateway, classifier=classifier, wake=reload_now)
                                   ) if config_path else None
-    # Keys stored in Redis: each process polls the table's version (1 s) and swaps in a snapshot,
-    # so lookups never wait on Redis and a revoked key stops working within about a second.
-    key_table = RedisKeyTable.from_url(config.redis_url) if config.redis_url else None
-
-    def use_keys(snapshot: KeySnapshot) -> None:
-        gateway.set_redis_keys(snapshot)
-        metrics.keys_version.set(snapshot.version)
-
-    if key_table is not None:
-        metrics.keys_version.set(NO_VERSION)
     key_watcher = asyncio.create_task(key_table.watch(
-        use_keys, config.keys.poll_s, max_stale_s=config.keys.max_stale_s)) if key_table else None
+        use_keys, config.keys.poll_s, max_stale_s=config.keys.max_stale_s, current=first_keys)) if key_table else None
     keeper = asyncio.create_task(housekeeping(gateway, settlement, metrics, store, ledger, classifier,
                                               states if scrape.enabled else None, cache))
     follower = asyncio.create_task(cache.follow()) if cache is not None else None

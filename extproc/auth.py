@@ -19,6 +19,10 @@ CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "api-key
 UNAUTHORIZED = ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                         code="invalid_api_key")
 CHALLENGE = (("www-authenticate", 'Bearer realm="llmgw"'),)
+# A key the config does not hold, while the Redis key table is not loaded (Redis away since the
+# worker started, or longer than keys.max_stale_s): nobody can say it is wrong, so not a 401.
+KEYS_UNAVAILABLE = ApiError(503, "API keys cannot be checked right now; retry shortly.", type="server_error",
+                            code="keys_unavailable")
 
 
 def presented_key(headers: Mapping[str, str]) -> str | None:

@@ -46,6 +46,7 @@ PREFIX = "llmgw:keys"
 DIGEST_BYTES = 32  # SHA-256
 SCAN_BATCH = 2_000  # HSCAN COUNT of a reload: the most entries parsed between two awaits
 LOG_LENGTH = 10_000  # changes kept in the log (approximately: XADD MAXLEN ~)
+FIRST_LOAD_RETRY_S = 0.2  # how often a starting worker asks Redis again for its keys
 NO_VERSION = -1  # the empty snapshot's version: any version read from Redis differs
 
 
@@ -310,8 +311,22 @@ class RedisKeyTable:
         log.info("API keys: %d keys loaded from Redis (version %d)", len(fresh), fresh.version)
         return fresh
 
+    async def load_first(self, timeout_s: float) -> KeySnapshot | None:
+        """The whole table, read before a worker serves its first request; Redis is asked again
+        every ``FIRST_LOAD_RETRY_S`` until ``timeout_s``: None if it never answered."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return await self.refresh(None)
+            except WATCH_ERRORS as error:
+                if time.monotonic() >= deadline:
+                    log.error("API keys: not loaded within %.0f s (%s: %s); serving without them: their "
+                              "requests get 503 until Redis answers", timeout_s, type(error).__name__, error)
+                    return None
+            await asyncio.sleep(FIRST_LOAD_RETRY_S)
+
     async def watch(self, on_change: Callable[[KeySnapshot], None], interval_s: float = 1.0, *,
-                    max_stale_s: float | None = None) -> NoReturn:
+                    max_stale_s: float | None = None, current: KeySnapshot | None = None) -> NoReturn:
         """Call ``on_change`` with each new snapshot: the first load, then every version change.
 
         Polls the version once per ``interval_s`` (each round, answered or not, counts in ``polls``);
@@ -320,7 +335,7 @@ class RedisKeyTable:
         ``on_change`` an empty snapshot (no Redis-held key is valid) until Redis answers again.
         ``on_change`` runs on the event loop and should only swap a reference.
         """
-        current: KeySnapshot | None = None  # None: nothing loaded (yet, or since max_stale_s)
+        # ``current``: what the caller loaded first, if anything; None: nothing loaded (yet, or since max_stale_s)
         outage_since: float | None = None
         while True:
             try:

@@ -7,6 +7,7 @@ import logging
 import os
 import random
 from pathlib import Path
+from types import MappingProxyType
 
 import orjson
 import pytest
@@ -16,6 +17,7 @@ from extproc.app import watch_config
 from extproc.auth import presented_key
 from extproc.config import hash_key, load_config, parse_config
 from extproc.gateway import Gateway
+from extproc.keys import KeySnapshot
 from extproc.routing.picker import Picker
 from extproc.steps import Continue, Reply
 from tests.helpers import CONFIG, eventually, post_headers
@@ -122,3 +124,24 @@ async def test_revoked_key_stops_working_after_reload(tmp_path: Path, caplog: py
     finally:
         watcher.cancel()
         del os.environ["TEAM_B_KEY"], os.environ["POOL_KEY"]
+
+
+def test_a_key_is_not_called_wrong_while_the_redis_key_table_is_not_loaded() -> None:
+    # A worker serving without Redis's table (not loaded at start, or past keys.max_stale_s) cannot
+    # tell an unknown key from one stored there: a retryable 503, not a 401. No key at all: a 401.
+    config = parse_config({**WITH_TENANTS, "redis_url": "redis://127.0.0.1:1/0"},
+                          env={"POOL_KEY": "p", "TEAM_B_KEY": KEY_B})
+    gateway = Gateway(config, Picker(random.Random(0)))
+    unknown = gateway.request_headers(gateway.new_request(), post_headers(authorization="Bearer sk-redis"), False)
+    assert isinstance(unknown, Reply) and unknown.status == 503
+    assert orjson.loads(unknown.body)["error"]["code"] == "keys_unavailable"
+    assert ("retry-after", "1") in unknown.headers
+    missing = gateway.request_headers(gateway.new_request(), post_headers(), False)
+    assert isinstance(missing, Reply) and missing.status == 401
+    known = gateway.request_headers(gateway.new_request(), post_headers(authorization=f"Bearer {KEY_A}"), False)
+    assert isinstance(known, Continue)  # the config's own keys need no Redis
+    gateway.set_redis_keys(KeySnapshot(MappingProxyType({hash_key("sk-redis"): "team-a"}), 3))
+    assert isinstance(gateway.request_headers(gateway.new_request(), post_headers(authorization="Bearer sk-redis"),
+                                              False), Continue)
+    wrong = gateway.request_headers(gateway.new_request(), post_headers(authorization="Bearer sk-wrong"), False)
+    assert isinstance(wrong, Reply) and wrong.status == 401  # loaded: an unknown key is wrong

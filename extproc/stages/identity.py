@@ -12,13 +12,13 @@ import orjson
 
 from extproc import validation
 from extproc.api import OPERATIONS_BY_PATH, ApiError
-from extproc.auth import CHALLENGE, UNAUTHORIZED, authenticate
+from extproc.auth import CHALLENGE, KEYS_UNAVAILABLE, UNAUTHORIZED, authenticate, presented_key
 from extproc.catalog import model_card, models_list
 from extproc.config import GatewayConfig
-from extproc.keys import KeySnapshot
+from extproc.keys import NO_VERSION, KeySnapshot
 from extproc.qos import QOS_HEADER, choose_qos
 from extproc.state import RequestState
-from extproc.steps import Answer, Continue, Reply
+from extproc.steps import RETRY_SOON, Answer, Continue, Reply
 from extproc.telemetry.tracecontext import IdSource, continue_or_start, request_id
 
 MODELS_PATH = "/v1/models"
@@ -71,7 +71,7 @@ class Identity:
             if method != "GET":
                 return state.reject(*validation.method_not_allowed(method, path, "GET"))
             if config.auth_required and not self._authenticate(state, headers):
-                return state.reject(UNAUTHORIZED, CHALLENGE)
+                return self._unknown_key(state, headers)
             return self._models(state, path)
         operation = OPERATIONS_BY_PATH.get(path)
         if operation is None:
@@ -80,7 +80,7 @@ class Identity:
             return state.reject(*validation.method_not_allowed(method, path, "POST"))
         state.operation = operation
         if config.auth_required and not self._authenticate(state, headers):
-            return state.reject(UNAUTHORIZED, CHALLENGE)
+            return self._unknown_key(state, headers)
         if state.tenant is not None:
             qos = choose_qos(state.tenant, headers.get(QOS_HEADER))
             if isinstance(qos, ApiError):
@@ -100,6 +100,13 @@ class Identity:
     def _authenticate(self, state: RequestState, headers: Mapping[str, str]) -> bool:
         state.tenant = authenticate(self.config, self.redis_keys, headers)
         return state.tenant is not None
+
+    def _unknown_key(self, state: RequestState, headers: Mapping[str, str]) -> Reply:
+        """No key, or one nobody owns: a 401; a 503 instead while Redis's key table is not loaded."""
+        if (self.config.redis_url is not None and self.redis_keys.version == NO_VERSION
+                and presented_key(headers) is not None):
+            return state.reject(KEYS_UNAVAILABLE, RETRY_SOON)
+        return state.reject(UNAUTHORIZED, CHALLENGE)
 
     def _models(self, state: RequestState, path: str) -> Reply:
         if path == MODELS_PATH:

@@ -6,9 +6,11 @@ Every wait is a condition with a deadline, generous enough for a CPU hog beside 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -20,11 +22,15 @@ import grpc
 import httpx
 import pytest
 import yaml
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from redis import Redis
 
+from extproc.keys import RedisKeyTable
 from extproc.launcher import Backoff, Child, ChildExit, LocalStack, StackInfo, StackOptions
+from llmgw_testing.redis_server import RedisServer
 from tests.e2e.conftest import MODEL
-from tests.e2e.test_cli_up import STARTUP_S, assert_no_orphans, children_of, cmdline, models_answered, serve
-from tests.helpers import wait_for
+from tests.e2e.test_cli_up import STARTUP_S, Launched, assert_no_orphans, children_of, cmdline, models_answered, serve
+from tests.helpers import request_headers, wait_for
 
 SOLO_KEY = "sk-supervision-solo"
 LEASE_TTL_S = 6.0
@@ -313,5 +319,53 @@ def test_serve_starts_a_killed_worker_again(tmp_path: Path) -> None:
         assert launched.proc.poll() is None, launched.stderr  # the node never stopped
         assert launched.stop() == 0, launched.stderr
         assert_no_orphans([again])
+    finally:
+        launched.kill()
+
+
+def _models_status(address: str, key: str) -> int | None:
+    """The status extproc answers ``GET /v1/models`` with for ``key`` (None: nobody listening)."""
+    models = {":method": "GET", ":path": "/v1/models", "authorization": f"Bearer {key}"}
+    try:
+        with grpc.insecure_channel(address) as channel:
+            answer = list(pb_grpc.ExternalProcessorStub(channel).Process(
+                iter([request_headers(models, end_of_stream=True)]), timeout=10))
+    except grpc.RpcError:
+        return None
+    return int(answer[0].immediate_response.status.code)
+
+
+def test_a_restarted_worker_opens_its_port_only_once_it_has_the_keys_in_redis(
+        tmp_path: Path, own_redis_server: RedisServer) -> None:
+    # A key that only Redis holds: a worker that answered before its first key load would call it
+    # wrong (401). Redis is paused while the restarted worker starts: it must wait, port closed.
+    key = f"sk-restart-{uuid.uuid4().hex}"
+
+    async def add() -> None:
+        table = RedisKeyTable.from_url(own_redis_server.url)
+        await table.add(key, "keyed")
+        await table.aclose()
+
+    asyncio.run(add())
+    config = tmp_path / "llmgw.yaml"
+    config.write_text(yaml.safe_dump({"pools": [{"name": "p", "endpoints": ["127.0.0.1:9"]}],
+                                      "models": [{"name": "m", "pool": "p"}], "tenants": [{"name": "keyed"}],
+                                      "redis_url": own_redis_server.url}))
+    launched = Launched.start([sys.executable, "-m", "extproc.cli", "serve", "--config", str(config), "--port", "0",
+                               "--workers", "1", "--run-dir", str(tmp_path / "run")], tmp_path / "stderr.txt")
+    try:
+        address = launched.read_until("READY ", STARTUP_S).splitlines()[-1].split()[1]
+        assert _models_status(address, key) == 200
+        (victim,) = children_of(launched.proc.pid)
+        os.kill(victim, signal.SIGKILL)
+        wait_for("the worker started again", lambda: [
+            pid for pid in children_of(launched.proc.pid) if pid != victim], STARTUP_S, interval=0.01)
+        admin = Redis.from_url(own_redis_server.url)
+        admin.execute_command("CLIENT", "PAUSE", "3000", "ALL")  # before the new worker's imports are done
+        statuses: list[int | None] = []
+        wait_for("the restarted worker answering", lambda: statuses.append(_models_status(address, key))
+                 or statuses[-1] is not None, STARTUP_S, interval=0.01)
+        assert statuses[-1] == 200 and 401 not in statuses, statuses
+        admin.close()
     finally:
         launched.kill()
