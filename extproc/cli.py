@@ -142,7 +142,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         model = config.models[0].aliases[0] if config.models[0].aliases else config.models[0].name
         api_key = dev_key if config.tenant_for(hash_key(dev_key)) else "local"
         _print_welcome(info, model, time.monotonic() - started, api_key)
-        print(f"Logs: {stack.group.log_dir}/", flush=True)
+        print(f"Logs: {stack.log_dir}/", flush=True)
         return _serve_until_stopped(stack.group)
     except _Stop:
         console.print("stopped while starting")
@@ -180,7 +180,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         console.print(f"[red]cannot bind {host}:{port}: {error.strerror}[/red]")
         return 1
     port = int(reserved.getsockname()[1])
-    group = ProcessGroup(Path(args.run_dir) / "logs")
+    # Workers write to this process's stdout and stderr (a container's log), or to files.
+    group = ProcessGroup(Path(args.log_dir) if args.log_dir else None)
+    Path(args.run_dir).mkdir(parents=True, exist_ok=True)  # the node's SQLite files
     shared = node_state_env(Path(args.run_dir).resolve())
     shared.update({name: os.environ[name] for name in (QUOTA_PATH_ENV, LEDGER_PATH_ENV) if os.environ.get(name)})
     if args.metrics_port is not None:
@@ -428,6 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-host", default="127.0.0.1",
                        help="address of /metrics (default 127.0.0.1; 0.0.0.0 for a scraper elsewhere)")
     serve.add_argument("--log-level", default="INFO")
+    serve.add_argument("--log-dir", default=None,
+                       help="write each worker's log to a file here (default: this process's stdout and stderr)")
     serve.set_defaults(handler=cmd_serve)
 
     coordinator = commands.add_parser("coordinator", help="run the batching coordinator alone")

@@ -153,11 +153,12 @@ class ChildExit:
 
 @dataclass(eq=False)
 class Child:
-    """One supervised process: its command line, the process running it now, its log file."""
+    """One supervised process: its command line, the process running it now, its log file (None:
+    it writes to the launcher's own stdout and stderr)."""
 
     name: str
     proc: subprocess.Popen[bytes]
-    log_path: Path
+    log_path: Path | None
     ready_line: str = ""
     argv: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # on top of os.environ
@@ -172,8 +173,16 @@ class Child:
         """The process id of the current process."""
         return self.proc.pid
 
+    @property
+    def log_where(self) -> str:
+        """Where to read what it wrote, for an error message."""
+        return str(self.log_path) if self.log_path is not None else "its output above"
+
     def output(self) -> str:
-        """What the current process wrote to its log file (stderr; stdout after its READY line)."""
+        """What the current process wrote to its log file (stderr; stdout after its READY line);
+        nothing when it writes to the launcher's own streams."""
+        if self.log_path is None:
+            return ""
         with open(self.log_path, "rb") as log_file:
             log_file.seek(self.log_offset)
             return log_file.read().decode(errors="replace")
@@ -188,9 +197,11 @@ def _copy_lines(source: IO[bytes], sink: IO[bytes]) -> None:
 
 @dataclass
 class ProcessGroup:
-    """Children started in order, restarted when they die once supervised, stopped in reverse order."""
+    """Children started in order, restarted when they die once supervised, stopped in reverse order.
+    Each child's output goes to a file of its own under ``log_dir``, or with no ``log_dir`` to the
+    launcher's own stdout and stderr (a container's log)."""
 
-    log_dir: Path
+    log_dir: Path | None
     children: list[Child] = field(default_factory=list)
     backoff: Backoff = field(default_factory=Backoff)
     exits: list[ChildExit] = field(default_factory=list)  # every death seen, oldest first
@@ -201,7 +212,7 @@ class ProcessGroup:
               ready_line: bool = True) -> Child:
         """Start ``argv``; stderr goes to ``<log_dir>/<name>.log``, and so does stdout, after the
         READY line when ``ready_line`` (read it with `wait_ready_line`), from the start otherwise."""
-        log_path = self.log_dir / f"{name.replace(' ', '-')}.log"
+        log_path = self.log_dir / f"{name.replace(' ', '-')}.log" if self.log_dir is not None else None
         proc, offset = self._popen(log_path, argv, env or {}, ready_line)
         child = Child(name, proc, log_path, argv=list(argv), env=dict(env or {}), log_offset=offset)
         self.children.append(child)
@@ -215,9 +226,13 @@ class ProcessGroup:
         child.proc, child.log_offset = self._popen(child.log_path, argv, child.env, ready_line=True)
         child.started_at = time.monotonic()
 
-    def _popen(self, log_path: Path, argv: Sequence[str], env: dict[str, str],
+    def _popen(self, log_path: Path | None, argv: Sequence[str], env: dict[str, str],
                ready_line: bool) -> tuple[subprocess.Popen[bytes], int]:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if log_path is None:  # the launcher's own streams (stdout after the READY line)
+            proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE if ready_line else None,
+                                    stdin=subprocess.DEVNULL, env={**os.environ, **env}, preexec_fn=die_with_parent())
+            return proc, 0
+        log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log_file:  # the child keeps its own copy
             offset = log_file.tell()  # before the child writes (append mode starts at the end)
             proc = subprocess.Popen(
@@ -235,14 +250,14 @@ class ProcessGroup:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise ChildFailed(f"{child.name} was not ready within {timeout:.0f} s (see {child.log_path})")
+                raise ChildFailed(f"{child.name} was not ready within {timeout:.0f} s (see {child.log_where})")
             readable, _, _ = select.select([fd], [], [], min(left, 0.2))
             if readable:
                 chunk = os.read(fd, 4096)
                 if not chunk:
                     code = child.proc.wait()
                     raise ChildFailed(f"{child.name} exited with code {code} before it was ready "
-                                      f"(see {child.log_path})")
+                                      f"(see {child.log_where})")
                 buffer += chunk
                 while b"\n" in buffer:
                     line, _, buffer = buffer.partition(b"\n")
@@ -253,10 +268,11 @@ class ProcessGroup:
                         return child.ready_line
             elif child.proc.poll() is not None:
                 raise ChildFailed(f"{child.name} exited with code {child.proc.returncode} before it was ready "
-                                  f"(see {child.log_path})")
+                                  f"(see {child.log_where})")
 
     def _log_rest(self, child: Child, pending: bytes) -> None:
-        sink = open(child.log_path, "ab")  # the copying thread closes it
+        # The copying thread closes it.
+        sink = open(child.log_path, "ab") if child.log_path is not None else os.fdopen(os.dup(1), "wb")
         sink.write(pending)
         assert child.proc.stdout is not None
         threading.Thread(target=_copy_lines, args=(child.proc.stdout, sink), daemon=True,
@@ -402,7 +418,7 @@ def wait_http_ok(url: str, timeout: float, child: Child | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if child is not None and child.proc.poll() is not None:
-            raise ChildFailed(f"{child.name} exited with code {child.proc.returncode} (see {child.log_path})")
+            raise ChildFailed(f"{child.name} exited with code {child.proc.returncode} (see {child.log_where})")
         try:
             with urllib.request.urlopen(url, timeout=1) as response:
                 if response.status == 200:
@@ -463,7 +479,8 @@ class LocalStack:
 
     def __init__(self, options: StackOptions) -> None:
         self.options = options
-        self.group = ProcessGroup(options.run_dir / "logs", backoff=options.backoff)
+        self.log_dir = options.run_dir / "logs"
+        self.group = ProcessGroup(self.log_dir, backoff=options.backoff)
         self.info: StackInfo | None = None
         self.metrics: MetricsServer | None = None
         self._extproc_port: socket.socket | None = None
@@ -560,7 +577,7 @@ class LocalStack:
         metrics_url = f"http://127.0.0.1:{self.metrics.port}/metrics" if self.metrics else None
         scheme = "https" if opts.tls else "http"
         self.info = StackInfo(f"{scheme}://127.0.0.1:{listen_port}", admin_url, f"127.0.0.1:{extproc_port}",
-                              pod_urls, config_path, self.group.log_dir, metrics_url)
+                              pod_urls, config_path, self.log_dir, metrics_url)
         return self.info
 
     def _start_pods(self, spec: GatewaySpec) -> dict[str, list[str]]:
@@ -626,12 +643,12 @@ def _wait_envoy_admin(path: Path, envoy: Child, timeout: float) -> str:
     while time.monotonic() < deadline:
         if envoy.proc.poll() is not None:
             raise ChildFailed(f"envoy exited with code {envoy.proc.returncode} before it was ready "
-                              f"(see {envoy.log_path})")
+                              f"(see {envoy.log_where})")
         address = path.read_text().strip() if path.is_file() else ""
         if address:
             return address
         time.sleep(0.05)
-    raise ChildFailed(f"envoy did not open its admin within {timeout:.0f} s (see {envoy.log_path})")
+    raise ChildFailed(f"envoy did not open its admin within {timeout:.0f} s (see {envoy.log_where})")
 
 
 def _listener_port(admin_url: str) -> int:
