@@ -345,6 +345,13 @@ def test_tracing_is_off_by_default_and_needs_no_environment() -> None:
     assert parse_config(BASE, env={}).tracing.endpoint == "http://127.0.0.1:4318/v1/traces"
 
 
+def test_otel_sdk_disabled_turns_tracing_off_whatever_the_file_says() -> None:
+    # OpenTelemetry's own switch: the compose stack runs without its tracing profile this way.
+    enabled = {**BASE, "tracing": {"enabled": True, "headers_env": {"authorization": "OTEL_TOKEN"}}}
+    assert parse_config(enabled, env={"OTEL_SDK_DISABLED": "true"}).tracing.enabled is False  # no token needed
+    assert parse_config(enabled, env={"OTEL_SDK_DISABLED": "false", "OTEL_TOKEN": "t"}).tracing.enabled is True
+
+
 Received = list[tuple[str, dict[str, str], bytes]]  # path, headers, body of each POST
 
 

@@ -122,12 +122,15 @@ def _compile_intents(spec: IntentsSpec | None, models: dict[str, Model], env: An
 
 
 def _compile_tracing(spec: TracingSpec, env: Any) -> Tracing:
-    # Secrets are read only when they will be sent: a disabled section needs no environment.
+    # OpenTelemetry's own switch, OTEL_SDK_DISABLED=true, turns tracing off whatever the file says
+    # (the compose stack without its tracing profile). Secrets are read only when they will be
+    # sent: a disabled section needs no environment.
+    enabled = spec.enabled and str(env.get("OTEL_SDK_DISABLED", "")).strip().lower() != "true"
     headers = dict(spec.headers)
-    if spec.enabled:
+    if enabled:
         for name, variable in spec.headers_env.items():
             headers[name] = _env_value(env, variable, f"tracing.headers_env.{name}")
-    return Tracing(spec.enabled, spec.endpoint, tuple(headers.items()), spec.sampling_ratio, spec.service_name,
+    return Tracing(enabled, spec.endpoint, tuple(headers.items()), spec.sampling_ratio, spec.service_name,
                    spec.timeout_s)
 
 
