@@ -473,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "a plain-Envoy snippet or Istio EnvoyFilters")
     envoy.add_argument("--target", required=True, choices=TARGET_NAMES)
     envoy.add_argument("--config", default=None, help="gateway config, or a ConfigMap holding it (default: the "
-                                                      "target's: config/local.yaml, compose/llmgw.yaml, "
+                                                      "target's: config/local.yaml, compose/llmgw/llmgw.yaml, "
                                                       "envoy/istio/config.yaml)")
     envoy.add_argument("--out", default=None, help="folder (default: the checked-in copy's: envoy/, compose/, "
                                                    "envoy/snippet/, envoy/istio/)")

@@ -49,7 +49,7 @@ TARGETS: dict[str, Target] = {
     "compose": Target(
         "The docker-compose stack's Envoy: the same gateway, its upstreams by service name\n"
         "(extproc, coordinator, pod-a, pod-b; extproc.envoybuild.addresses).",
-        Path("compose"), Path("compose/llmgw.yaml"),
+        Path("compose"), Path("compose/llmgw/llmgw.yaml"),
         lambda spec, header: {"envoy.yaml": dump(data(bootstrap(spec, COMPOSE)), header)}),
     "tls": Target(
         "The local stack's Envoy listening with TLS (1.2-1.3; HTTP/2 and HTTP/1.1 by ALPN), its\n"
