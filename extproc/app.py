@@ -165,7 +165,8 @@ async def configure_intents(classifier: IntentClassifier, config: GatewayConfig)
 
 
 async def watch_config(path: Path, gateway: Gateway, interval: float = RELOAD_INTERVAL_S,
-                       classifier: IntentClassifier | None = None, wake: asyncio.Event | None = None) -> None:
+                       classifier: IntentClassifier | None = None, wake: asyncio.Event | None = None,
+                       metrics: GatewayMetrics | None = None) -> None:
     """Reload the config when its file changes (a revoked key stops working within ``interval``),
     and at once whenever ``wake`` is set (SIGHUP), changed or not. A reload swaps one immutable
     snapshot for another between two requests: none is dropped or sees half of each.
@@ -187,6 +188,8 @@ async def watch_config(path: Path, gateway: Gateway, interval: float = RELOAD_IN
                 continue
             seen = mtime
             gateway.reload(load_config(path))
+            if metrics is not None:
+                metrics.declare(gateway.config)
             log.info("config reloaded from %s", path)
             if classifier is not None:
                 await configure_intents(classifier, gateway.config)
@@ -239,6 +242,7 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
         lambda: {name: pool.endpoints for name, pool in gateway.config.pools.items()}))
     picker = Picker(states=states, prefix_capacity=config.endpoint_picker.prefix.index_blocks)
     gateway = Gateway(config, picker, sampler=sampler)
+    metrics.declare(config)
     store, ledger = build_store(config), build_ledger(config)
     if metrics_port is not None and not os.environ.get(MULTIPROC_ENV):
         serve_metrics(metrics_port, host, registry=metrics.registry)
@@ -275,7 +279,8 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     prober = asyncio.create_task(probe_forever(lambda: gateway.config, gateway.router.health, metrics.pods_healthy))
     gatherer = asyncio.create_task(gather_pod_states(gateway, states)) if scrape.enabled else None
     reload_now = asyncio.Event()  # SIGHUP: reload the config file now
-    watcher = asyncio.create_task(watch_config(config_path, gateway, classifier=classifier, wake=reload_now)
+    watcher = asyncio.create_task(watch_config(config_path, gateway, classifier=classifier, wake=reload_now,
+                                               metrics=metrics)
                                   ) if config_path else None
     key_watcher = asyncio.create_task(key_table.watch(
         use_keys, config.keys.poll_s, max_stale_s=config.keys.max_stale_s, current=first_keys)) if key_table else None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from extproc.accounting import ResponseFacts, Usage, build_record, rejection
+from extproc.config import parse_config
+from extproc.coordinator.server import CoordinatorMetrics
 from extproc.pricing import Prices
 from extproc.quota import FallbackStats
 from extproc.telemetry.metrics import GatewayMetrics
@@ -80,3 +82,29 @@ def test_routing_decisions_and_semantic_routing_outcomes() -> None:
     assert _value(metrics, "llmgw_intent_classifications_total", outcome="busy") == 1
     assert _value(metrics, "llmgw_intent_embedding_seconds_total") == 0.5
     assert _value(metrics, "llmgw_picker_pods_known") == 1
+
+
+def test_series_that_only_an_event_creates_are_exported_at_zero_from_the_start() -> None:
+    # A dashboard panel over them reads 0 on a fresh gateway, not "no data".
+    config = parse_config({"pools": [{"name": "big", "endpoints": ["10.0.0.1:8000"]},
+                                     {"name": "small", "endpoints": ["10.0.0.2:8000", "10.0.0.3:8000"]}],
+                           "models": [{"name": "big-model", "pool": "big", "fallback": ["small-model"]},
+                                      {"name": "small-model", "pool": "small"}]}, env={})
+    metrics = GatewayMetrics()
+    metrics.declare(config)
+    value = metrics.registry.get_sample_value
+    assert value("llmgw_cache_lookups_total", {"outcome": "hit"}) == 0
+    assert value("llmgw_cache_lookups_total", {"outcome": "miss"}) == 0
+    assert value("llmgw_circuit_breaker_state", {"scope": "pool", "name": "small"}) == 0
+    assert value("llmgw_circuit_breaker_state", {"scope": "pod", "name": "10.0.0.3:8000"}) == 0
+    assert value("llmgw_fallbacks_total", {"from_model": "big-model", "to_model": "small-model"}) == 0
+    assert value("llmgw_usage_estimated_total", {"gen_ai_request_model": "small-model"}) == 0
+    metrics.breaker("pool", "small", "open")
+    metrics.declare(config)  # a reload: an open breaker stays open
+    assert value("llmgw_circuit_breaker_state", {"scope": "pool", "name": "small"}) == 2
+
+
+def test_the_coordinators_batch_series_are_exported_at_zero_from_the_start() -> None:
+    value = CoordinatorMetrics().registry.get_sample_value
+    assert value("llmgw_batch_retries_total", {"outcome": "failed"}) == 0
+    assert value("llmgw_batch_departures_total", {"reason": "window"}) == 0

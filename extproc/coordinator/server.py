@@ -145,6 +145,11 @@ class CoordinatorMetrics:
         self.retries = MetricCounter("llmgw_batch_retries", "Members retried alone after their merged call failed "
                                      "or was cut: resumed (answered) or failed (error to the client)", ("outcome",),
                                      registry=self.registry)
+        # At zero from the start: a dashboard reads 0, not nothing, before the first event.
+        for reason in ("full", "window", "room"):
+            self.departures.labels(reason)
+        for outcome in ("resumed", "failed"):
+            self.retries.labels(outcome)
 
 
 class Coordinator:

@@ -25,6 +25,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, start_http_server
 
 from extproc.accounting import CACHED, REJECTED, RequestRecord
+from extproc.config import GatewayConfig
 from extproc.routing.breaker import STATE_VALUES
 from extproc.routing.podstate import PodState, PoolLoad, pool_loads
 
@@ -75,6 +76,10 @@ class CacheCounts(Protocol):
     warmed: int
     shadow: int
     stored: int
+
+# llmgw_cache_lookups_total's outcomes (CacheCounts' fields, less "stored": a counter of its own)
+CACHE_OUTCOMES = ("hit", "hot", "miss", "filtered", "error", "warmed", "shadow")
+
 
 class GatewayMetrics:
     """Every metric of one extproc process, in its own registry."""
@@ -136,6 +141,7 @@ class GatewayMetrics:
         self.cache_stored = Counter("llmgw_cache_stored", "Answers stored in the response cache",
                                     registry=self.registry)
         self._cache_seen: dict[str, int] = {}
+        self._breakers_seen: set[tuple[str, str]] = set()  # (scope, name) set once: declare() leaves them be
         self.breaker_state = Gauge("llmgw_circuit_breaker_state", "Circuit breakers as this worker sees them: 0 "
                                    "closed, 1 half-open, 2 open", ("scope", "name"), registry=self.registry,
                                    multiprocess_mode="max")
@@ -169,6 +175,23 @@ class GatewayMetrics:
         self._dropped = 0
         self._outcomes: dict[str, int] = {}
         self._embed_seconds = 0.0
+
+    def declare(self, config: GatewayConfig) -> None:
+        """Export the series that only an event would create, at zero (closed, for the breakers),
+        so that dashboards and alerts read 0, not nothing, on a fresh gateway: the cache's
+        outcomes, each pool's and pod's breaker, each fallback pair, each model's estimated usage.
+        Called at start and after each reload (series of what a reload dropped stay as they were)."""
+        for outcome in CACHE_OUTCOMES:
+            self.cache.labels(outcome)
+        for name, pool in config.pools.items():
+            for scope, key in (("pool", name), *(("pod", endpoint) for endpoint in pool.endpoints)):
+                if (scope, key) not in self._breakers_seen:
+                    self._breakers_seen.add((scope, key))
+                    self.breaker_state.labels(scope, key).set(STATE_VALUES["closed"])
+        for model in config.models:
+            self.estimated.labels(model.name)
+            for spare in model.fallback:
+                self.fallbacks.labels(model.name, spare)
 
     def record(self, record: RequestRecord) -> None:
         """One finished request: served (duration, TTFT, tokens, cost) or answered by the gateway."""
@@ -228,6 +251,7 @@ class GatewayMetrics:
 
     def breaker(self, scope: str, name: str, state: str) -> None:
         """A circuit breaker changed state."""
+        self._breakers_seen.add((scope, name))
         self.breaker_state.labels(scope, name).set(STATE_VALUES[state])
 
     def sync(self, stats: StoreStats | None, ledger: LedgerStats | None,
