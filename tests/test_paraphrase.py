@@ -97,8 +97,9 @@ def test_the_shipped_model_puts_rewordings_above_near_misses_and_serves_no_near_
     def probability(a: str, b: str, cosine: float) -> float:
         return model.probability(pair_features(cosine, read(a), read(b)))
 
-    lowest_reworded = min(probability(*pair) for pair in REWORDED)
-    assert lowest_reworded > 0.5 > max(probability(*pair) for pair in NEAR_MISSES)
+    # Every rewording ranks above every near miss (whether a rewording clears the model's threshold,
+    # set at 99% cross-validated precision, is its recall: bench.blind measures it).
+    assert min(probability(*pair) for pair in REWORDED) > max(probability(*pair) for pair in NEAR_MISSES)
     assert not any(model.accepts(cosine, read(a), read(b)) for a, b, cosine in NEAR_MISSES)
 
 

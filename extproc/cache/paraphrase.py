@@ -229,7 +229,7 @@ class ParaphraseModel:
                    float(data["bias"]), float(data["threshold"]), str(data["embedder"]), float(data["min_cosine"]))
 
 
-def fit_stumps(x: np.ndarray, y: np.ndarray, rounds: int = 150, learning_rate: float = 0.1, min_leaf: int = 8,
+def fit_stumps(x: np.ndarray, y: np.ndarray, rounds: int = 300, learning_rate: float = 0.1, min_leaf: int = 8,
                l2: float = 1.0) -> tuple[tuple[tuple[int, float, float, float], ...], float]:
     """Gradient-boosted stumps for the log-loss (Newton steps, an L2 penalty on leaf values): the
     stumps and the bias. Deterministic: ties go to the first feature and the lowest split."""
