@@ -3,7 +3,10 @@
 #   coordinator    llmgw coordinator --config /etc/llmgw/llmgw.yaml --host 0.0.0.0
 #   simulated pod  python -m llmgw_sim --host 0.0.0.0 --port 8000
 # Build from the repository root: docker build -t llmgw:dev .
+# Behind a proxy that re-signs TLS (a corporate one; this project's build machines), give pip its CA:
+#   docker build --build-arg EXTRA_CA_CERTS="$(cat /usr/local/share/ca-certificates/*.crt)" -t llmgw:dev .
 FROM python:3.11-slim-bookworm
+ARG EXTRA_CA_CERTS=""
 
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -11,8 +14,13 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     VIRTUAL_ENV=/opt/llmgw \
     PATH=/opt/llmgw/bin:$PATH \
-    HOME=/tmp
+    HOME=/tmp \
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt
 
+RUN if [ -n "$EXTRA_CA_CERTS" ]; then \
+      printf '%s\n' "$EXTRA_CA_CERTS" > /usr/local/share/ca-certificates/llmgw-build-extra.crt \
+      && update-ca-certificates; \
+    fi
 RUN groupadd --system --gid 10001 llmgw \
  && useradd --system --uid 10001 --gid llmgw --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin llmgw
 
