@@ -264,12 +264,14 @@ def test_prometheus_scrapes_every_process_where_it_listens() -> None:
     prometheus = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())
     scraped: dict[str, set[int]] = {}
     for job in prometheus["scrape_configs"]:
-        for group in job["static_configs"]:
-            for target in group["targets"]:
-                host, port = host_port(target)
-                assert host in compose()["services"], f"job {job['job_name']}: {host} is no service"
-                assert port in exposed(host), f"job {job['job_name']}: {host} does not expose {port}"
-                scraped.setdefault(host, set()).add(port)
+        targets = [target for group in job.get("static_configs", []) for target in group["targets"]]
+        # a replicated service is found by DNS: every address its name resolves to
+        targets += [f"{name}:{sd['port']}" for sd in job.get("dns_sd_configs", []) for name in sd["names"]]
+        for target in targets:
+            host, port = host_port(target)
+            assert host in compose()["services"], f"job {job['job_name']}: {host} is no service"
+            assert port in exposed(host), f"job {job['job_name']}: {host} does not expose {port}"
+            scraped.setdefault(host, set()).add(port)
     extproc = build_parser().parse_args(service("extproc")["command"][1:])
     assert scraped["extproc"] == {extproc.metrics_port}
     assert scraped["coordinator"] == exposed("coordinator")

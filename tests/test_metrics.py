@@ -108,3 +108,23 @@ def test_the_coordinators_batch_series_are_exported_at_zero_from_the_start() -> 
     value = CoordinatorMetrics().registry.get_sample_value
     assert value("llmgw_batch_retries_total", {"outcome": "failed"}) == 0
     assert value("llmgw_batch_departures_total", {"reason": "window"}) == 0
+
+
+def test_the_tenant_heat_map_counts_refusals_and_the_drill_down_names_the_pod() -> None:
+    metrics = GatewayMetrics()
+    decision = make_decision()
+    metrics.record(rejection(decision, 429, "rate_limit_exceeded", decision.started_ns))
+    served = build_record(decision, ResponseFacts(status=200, end_ns=decision.started_ns + 30_000_000,
+                                                  upstream="10.0.0.9:8081"), None)  # the coordinator's
+    metrics.record(served)
+    retried = build_record(decision, ResponseFacts(status=502, end_ns=decision.started_ns + 90_000_000,
+                                                   upstream="10.0.0.7:8000", attempts=2), None)
+    metrics.record(retried)
+    value = metrics.registry.get_sample_value
+    tenant = decision.tenant
+    assert value("llmgw_tenant_request_duration_seconds_count", {"llmgw_tenant": tenant, "outcome": "error"}) == 2
+    assert value("llmgw_tenant_request_duration_seconds_bucket", {"llmgw_tenant": tenant, "outcome": "ok",
+                                                                  "le": "0.04"}) == 1  # 30 ms
+    pod = {"llmgw_tenant": tenant, "llmgw_pool": decision.pool}
+    assert value("llmgw_pod_requests_total", {**pod, "llmgw_pod": decision.endpoint, "outcome": "ok"}) == 1
+    assert value("llmgw_pod_requests_total", {**pod, "llmgw_pod": "10.0.0.7:8000", "outcome": "error"}) == 1

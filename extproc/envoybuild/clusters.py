@@ -160,5 +160,10 @@ def extproc(where: HostPort) -> clusterv3.Cluster:
         health_checks=[corev3.HealthCheck(
             timeout=seconds(1), interval=seconds(1), unhealthy_threshold=1, healthy_threshold=1,
             grpc_health_check=corev3.HealthCheckGrpcHealthCheck())],
+        # A host whose connection failed (a crashed replica) is out at once, not at the next health
+        # check; never the last one (max 50%: one host alone is never ejected).
+        outlier_detection=clusterv3.OutlierDetection(
+            split_external_local_origin_errors=True, consecutive_local_origin_failure=1,
+            base_ejection_time=seconds(2), max_ejection_percent=50),
         load_assignment=load_assignment(names.EXTPROC_CLUSTER, [where]),
     )

@@ -148,6 +148,16 @@ class GatewayMetrics:
         self.fallbacks = Counter("llmgw_fallbacks", "Requests served by a fallback model because the pool of the "
                                  "model asked for had its breaker open", ("from_model", "to_model"),
                                  registry=self.registry)
+        # The per-tenant heat map (tenant by latency bucket, coloured by error rate) and its
+        # drill-down to pods. Cardinality: tenants x 2 outcomes x 15 buckets, and tenants x pods x 2.
+        self.tenant_duration = Histogram(
+            "llmgw_tenant_request_duration_seconds", "Every request of a tenant, the ones the gateway refused "
+            "included, by outcome: ok, or error (a 4xx or 5xx answer)", ("llmgw_tenant", "outcome"),
+            buckets=DURATION_BUCKETS, registry=self.registry)
+        self.pod_requests = Counter(
+            "llmgw_pod_requests", "Forwarded requests by tenant and pod (the one picked, or the one Envoy's "
+            "retry reached): ok, or error (a 5xx, or no answer)",
+            ("llmgw_tenant", "llmgw_pool", "llmgw_pod", "outcome"), registry=self.registry)
         # Pool load from the pods' own metrics (no GenAI convention exists for these): every
         # worker of a node reads the same snapshot, so the node's value is the most recent one set.
         pool = ("llmgw_pool",)
@@ -179,7 +189,8 @@ class GatewayMetrics:
     def declare(self, config: GatewayConfig) -> None:
         """Export the series that only an event would create, at zero (closed, for the breakers),
         so that dashboards and alerts read 0, not nothing, on a fresh gateway: the cache's
-        outcomes, each pool's and pod's breaker, each fallback pair, each model's estimated usage.
+        outcomes, each pool's and pod's breaker, each fallback pair, each model's estimated usage,
+        each tenant's heat-map row and its drill-down to each pod.
         Called at start and after each reload (series of what a reload dropped stay as they were)."""
         for outcome in CACHE_OUTCOMES:
             self.cache.labels(outcome)
@@ -188,6 +199,12 @@ class GatewayMetrics:
                 if (scope, key) not in self._breakers_seen:
                     self._breakers_seen.add((scope, key))
                     self.breaker_state.labels(scope, key).set(STATE_VALUES["closed"])
+        for tenant in config.tenants_by_name:
+            for outcome in ("ok", "error"):
+                self.tenant_duration.labels(tenant, outcome)
+                for name, pool in config.pools.items():
+                    for endpoint in pool.endpoints:
+                        self.pod_requests.labels(tenant, name, endpoint, outcome)
         for model in config.models:
             self.estimated.labels(model.name)
             for spare in model.fallback:
@@ -195,10 +212,19 @@ class GatewayMetrics:
 
     def record(self, record: RequestRecord) -> None:
         """One finished request: served (duration, TTFT, tokens, cost) or answered by the gateway."""
+        d = record.decision
+        if d.tenant:
+            self.tenant_duration.labels(d.tenant, "error" if record.status >= 400 else "ok").observe(
+                record.duration_ms / 1000)
         if record.kind == REJECTED:
             self.rejections.labels(str(record.status), record.error or "").inc()
             return
-        d = record.decision
+        # The pod: the one extproc picked, or the one Envoy's retry reached (a batched request's
+        # upstream is the coordinator, which sends it to the pod picked).
+        pod = record.upstream if record.attempts > 1 else d.endpoint or record.upstream
+        if record.kind != CACHED and pod and d.tenant:
+            failed = record.status >= 500 or record.status == 0
+            self.pod_requests.labels(d.tenant, d.pool, pod, "error" if failed else "ok").inc()
         if record.kind != CACHED:  # a hit was never forwarded
             self.routing.labels(d.pool, d.rule, d.intent).inc()
         if d.fallback_from:

@@ -21,12 +21,14 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from bench.tenant_heatmap import draw, heat_map
 from extproc.launcher import free_port
 from llmgw_testing.containers import (
     LLMGW_IMAGE,
@@ -67,8 +69,9 @@ class Lane:
         return compose(self.engine, self.project, [COMPOSE_FILE], *args, env=self.ports, check=check,
                        timeout=timeout).stdout
 
-    def container(self, service: str) -> str:
-        return self.compose("ps", "-q", service).strip()
+    def containers(self, service: str) -> list[str]:
+        """The ids of a service's containers (one per replica)."""
+        return self.compose("ps", "-q", service).split()
 
     def client(self, tenant: str = "local-dev") -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=self.keys[tenant], max_retries=0, timeout=30)
@@ -92,6 +95,9 @@ def lane() -> Iterator[Lane]:
         wait_for("the gateway answering", lambda: _answers(lane.base_url), 60)
         lane.figures["up_s"] = round(time.monotonic() - started, 1)
         lane.keys = {tenant: _add_key(lane, tenant) for tenant in ("local-dev", "trial")}
+        # Each replica polls the key table once a second: wait until both answer from version 2.
+        wait_for("both replicas holding the keys", lambda: all(
+            _keys_version(lane, replica) >= 2 for replica in lane.containers("extproc")), 30, interval=0.2)
         yield lane
     finally:
         print(f"\ncompose lane: {json.dumps(lane.figures)}")
@@ -99,6 +105,14 @@ def lane() -> Iterator[Lane]:
             lane.compose("down", "-v", "--remove-orphans", "-t", "10", check=False)
         finally:
             engine.stop()
+
+
+def _keys_version(lane: Lane, replica: str) -> float:
+    """The replica's llmgw_api_keys_version (its workers' most behind), from its own /metrics."""
+    metrics = lane.engine.run("exec", replica, "python", "-c", "import urllib.request; print(urllib.request."
+                              "urlopen('http://127.0.0.1:9464/metrics', timeout=2).read().decode())").stdout
+    return next((float(line.split()[-1]) for line in metrics.splitlines()
+                 if line.startswith("llmgw_api_keys_version")), -1.0)
 
 
 def _answers(base_url: str) -> bool:
@@ -169,7 +183,7 @@ def test_usage_lands_in_redis_and_the_ledger(lane: Lane) -> None:
         assert response.status_code == 200 and response.headers["x-request-id"] == request_id
     wait_for("every record in the Redis ledger", lambda: set(sent) <= _ledger_ids(lane), 30, interval=0.5)
     # The workers' logs are the container's (docker logs), access records included.
-    logs = lane.engine.run("logs", lane.container("extproc")).stderr
+    logs = "".join(lane.engine.run("logs", replica).stderr for replica in lane.containers("extproc"))
     assert all(request_id in logs for request_id in sent) and "llmgw.access" in logs
 
 
@@ -189,23 +203,37 @@ def test_prometheus_scrapes_the_stack_and_every_dashboard_query_returns_data(lan
     for _ in range(6):  # traffic of every kind the panels show: plain, streamed, refused
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4)  # type: ignore[arg-type]
         list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, stream=True))  # type: ignore[arg-type]
-    targets = wait_for("every scrape target up", lambda: (lambda up: up if len(up) == 5 and all(
+    targets = wait_for("every scrape target up", lambda: (lambda up: up if len(up) == 6 and all(
         t["health"] == "up" for t in up) else None)(httpx.get(f"{lane.prometheus}/api/v1/targets", timeout=10)
                                                   .json()["data"]["activeTargets"]), 60, interval=1)
     assert {t["labels"]["job"] for t in targets} == {"extproc", "coordinator", "pods", "envoy"}
+    assert sum(t["labels"]["job"] == "extproc" for t in targets) == 2  # both replicas
     queries = _dashboard_queries()
     assert len(queries) >= 28
     empty: list[str] = []
 
     def all_answered() -> bool:
         empty[:] = [f"{title}: {expr}" for title, expr in queries
-                    if not _query(lane, expr.replace("$__rate_interval", "1m"))]
+                    if not _query(lane, expr.replace("$__rate_interval", "1m").replace("$tenant", ".*"))]
         return not empty
 
     try:
         wait_for("every dashboard query answered", all_answered, 60, interval=2)
     except pytest.fail.Exception:
         pytest.fail(f"dashboard queries with no data: {empty}")
+
+
+def test_the_tenant_heat_map_is_drawn_from_the_real_prometheus(lane: Lane, tmp_path: Path) -> None:
+    # After the traffic above: local-dev's requests, and trial's 429s (refusals count as errors).
+    data = wait_for("both tenants in the heat map", lambda: (lambda d: d if {"local-dev", "trial"} <= set(d["cells"])
+                                                              else None)(heat_map(lane.prometheus)), 30, interval=1)
+    assert sum(failed for _, failed in data["cells"]["trial"]) >= 1  # its 429
+    assert sum(failed for _, failed in data["cells"]["local-dev"]) == 0
+    pods = data["pods"]["local-dev"]
+    assert set(pods) <= {"172.29.10.11:8000", "172.29.10.12:8000"} and pods  # the drill-down names the pods
+    assert draw(data, tmp_path / "heatmap.png").stat().st_size > 10_000
+    if os.environ.get("LLMGW_HEATMAP_OUT"):  # docs/tenant-heatmap.png is drawn this way
+        draw(data, Path(os.environ["LLMGW_HEATMAP_OUT"]))
 
 
 def test_images(lane: Lane) -> None:
@@ -216,29 +244,39 @@ def test_images(lane: Lane) -> None:
     assert lane.figures["llmgw_image_mb"] < 700
 
 
-def test_a_killed_extproc_restarts_and_its_clients_get_openai_errors_not_hangs(lane: Lane) -> None:
+def test_a_crashed_extproc_replica_restarts_while_the_other_serves(lane: Lane) -> None:
     client = lane.client()
-    container = lane.container("extproc")
+    replica, _other = lane.containers("extproc")
+
+    def inspect(what: str) -> str:
+        return lane.engine.run("inspect", "-f", what, replica).stdout.strip()
+
     # A crash, not `docker kill` (a container stopped by hand is not restarted): its main process,
     # `llmgw serve`, dies of SIGKILL.
-    os.kill(int(lane.engine.run("inspect", "-f", "{{.State.Pid}}", container).stdout), signal.SIGKILL)
+    os.kill(int(inspect("{{.State.Pid}}")), signal.SIGKILL)
     killed = time.monotonic()
-    failures: list[int] = []
+    statuses: list[int] = []
 
-    def served() -> bool:
+    def ask() -> None:
         try:
             client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)  # type: ignore[arg-type]
-            return True
+            statuses.append(200)
         except openai.APIStatusError as error:  # an answer, in OpenAI's shape: not a hang
             assert isinstance(error.body, dict) and error.body.get("message"), error
-            failures.append(error.status_code)
-            return False
+            statuses.append(error.status_code)
 
-    wait_for("extproc serving again", served, 60, interval=0.1)
-    lane.figures["extproc_restart_s"] = round(time.monotonic() - killed, 1)
-    lane.figures["errors_meanwhile"] = sorted(set(failures))
-    restarts = lane.engine.run("inspect", "-f", "{{.RestartCount}}", container).stdout.strip()
-    assert int(restarts) >= 1 and set(failures) <= {500, 502, 503, 504}
+    def back() -> bool:
+        ask()
+        return int(inspect("{{.RestartCount}}")) >= 1 and inspect("{{.State.Health.Status}}") == "healthy"
+
+    wait_for("the crashed replica healthy again", back, 90, interval=0.05)
+    lane.figures["extproc_replica_back_s"] = round(time.monotonic() - killed, 1)
+    for _ in range(20):  # and both replicas serve
+        ask()
+    failed = [status for status in statuses if status != 200]
+    lane.figures["requests_meanwhile"] = {"sent": len(statuses), "failed": len(failed), "statuses": sorted(set(failed))}
+    assert set(failed) <= {500, 502, 503, 504}
+    assert len(failed) <= 0.1 * len(statuses), statuses  # the other replica served the rest
 
 
 def test_compose_down_during_a_stream_loses_no_finished_request(lane: Lane) -> None:
