@@ -227,9 +227,10 @@ class RedisKeyTable:
         """A table on ``redis://host:port/db``; a call over ``timeout_s`` counts as an outage."""
         # One immediate retry on a broken connection (a pooled socket that a Redis restart closed).
         retry = Retry(NoBackoff(), 1, supported_errors=(redis_errors.ConnectionError,))
-        client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                         retry=retry, max_connections=4)
-        return cls(client, prefix=prefix)
+        from extproc.quota.cluster import client
+
+        return cls(client(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=retry,
+                          max_connections=4), prefix=prefix)
 
     async def aclose(self) -> None:
         """Close the client and its connections."""

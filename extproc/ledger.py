@@ -116,8 +116,9 @@ class RedisLedger:
     @classmethod
     def from_url(cls, url: str, **options: object) -> RedisLedger:
         """A ledger on a new client with short timeouts (an append must never stall a request)."""
-        client = aioredis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
-        return cls(client, **options)  # type: ignore[arg-type]
+        from extproc.quota.cluster import client
+
+        return cls(client(url, socket_timeout=0.5, socket_connect_timeout=0.5), **options)  # type: ignore[arg-type]
 
     @property
     def buffered(self) -> int:
@@ -185,9 +186,9 @@ def read_file(path: str | Path) -> Iterator[UsageRecord]:
 
 def read_stream(url: str, stream: str = STREAM, since_ms: int = 0) -> Iterator[UsageRecord]:
     """Every record of a Redis Stream ledger from ``since_ms``, oldest first (a blocking client)."""
-    import redis
+    from extproc.quota.cluster import sync_client
 
-    client = redis.Redis.from_url(url)
+    client = sync_client(url)
     start = f"{since_ms}-0"
     while True:
         entries = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(stream, min=start, count=1000))

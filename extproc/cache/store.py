@@ -286,12 +286,10 @@ class RedisBackend:
     path's pipelined connection style (one connection, hiredis); the scan and the tail use redis-py."""
 
     def __init__(self, url: str, timeout_s: float = 0.5) -> None:
-        from redis import asyncio as aioredis
+        from extproc.quota.cluster import client, pipelined
 
-        from extproc.quota.resp import PipelinedConnection
-
-        self._fast = PipelinedConnection(url, timeout_s=timeout_s)
-        self._slow = aioredis.Redis.from_url(url, socket_timeout=5.0)
+        self._fast = pipelined(url, timeout_s=timeout_s)
+        self._slow = client(url, socket_timeout=5.0)
         self._last_id = b"$"
         self._shared_id: bytes | None = None  # None: not read yet (the first read starts at the oldest)
 

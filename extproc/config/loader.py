@@ -73,6 +73,13 @@ def compile_spec(spec: GatewaySpec, *, env: dict[str, str] | os._Environ[str]) -
     )
     by_name = {name: model for model in models for name in (model.name, *model.aliases)}
     redis_url = spec.redis_url or env.get("LLMGW_REDIS_URL") or None
+    if redis_url is not None and spec.redis_url is None:
+        from extproc.quota.cluster import check_url
+
+        try:
+            check_url(redis_url)
+        except ValueError as error:
+            raise ConfigError(f"redis_url (from LLMGW_REDIS_URL): {error}") from None
     tenants = {t.name: _compile_tenant(t) for t in spec.tenants}
     keys = _compile_keys(spec.tenants, tenants, env)
     for i, t in enumerate(spec.tenants):

@@ -421,6 +421,13 @@ def _http_url(url: str) -> str:
     return url
 
 
+def _redis_url(url: str) -> str:
+    from extproc.quota.cluster import check_url  # one server's URL, or a cluster's seed nodes
+
+    check_url(url)
+    return url
+
+
 def _header_name(name: str) -> str:
     if not _HEADER_NAME.match(name):
         raise ValueError(f"{name!r} is not an HTTP header name")
@@ -579,7 +586,9 @@ class GatewaySpec(_Strict):
 
     server: ServerSpec = Field(default_factory=ServerSpec)
     envoy: EnvoySpec = Field(default_factory=EnvoySpec)
-    redis_url: str | None = None
+    # One Redis (redis://, rediss://, unix://) or a Redis Cluster by some of its nodes:
+    # redis+cluster://[user:password@]host:port[,host:port...] (rediss+cluster:// for TLS).
+    redis_url: Annotated[str, AfterValidator(_redis_url)] | None = None
     pools: list[PoolSpec]
     models: list[ModelSpec]
     # With tenants, every request needs one of their API keys (401 otherwise); without, no auth.

@@ -25,6 +25,7 @@ from dataclasses import replace
 
 from redis import exceptions as redis_errors
 
+from extproc.quota.cluster import ClusterConnection, pipelined
 from extproc.quota.limits import (
     Admission,
     Figure,
@@ -350,7 +351,7 @@ class RedisStore:
 
     name = "redis"
 
-    def __init__(self, connection: PipelinedConnection, *, lease_ttl_s: float = 60.0,
+    def __init__(self, connection: PipelinedConnection | ClusterConnection, *, lease_ttl_s: float = 60.0,
                  prefix: str = "llmgw:quota") -> None:
         self.connection = connection
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
@@ -361,10 +362,10 @@ class RedisStore:
     @classmethod
     def from_url(cls, url: str, *, timeout_s: float = 0.5, lease_ttl_s: float = 60.0,
                  settle_batch_s: float = SETTLE_BATCH_S) -> RedisStore:
-        """A store on ``redis://[user:password@]host:port/db`` (or ``rediss://``, ``unix://``); a
-        call without a reply within ``timeout_s`` is an outage."""
-        connection = PipelinedConnection(url, timeout_s=timeout_s, connect_timeout_s=timeout_s,
-                                          batch_s=settle_batch_s)
+        """A store on ``redis://[user:password@]host:port/db`` (or ``rediss://``, ``unix://``), or
+        on a Redis Cluster (``redis+cluster://host:port,...``: ``extproc.quota.cluster``); a call
+        without a reply within ``timeout_s`` is an outage."""
+        connection = pipelined(url, timeout_s=timeout_s, connect_timeout_s=timeout_s, batch_s=settle_batch_s)
         return cls(connection, lease_ttl_s=lease_ttl_s)
 
     def _keys(self, tenant: str, qos: str, suffixes: tuple[str, ...]) -> tuple[str, ...]:
@@ -388,7 +389,7 @@ class RedisStore:
                 if not str(error).startswith("NOSCRIPT"):
                     raise
                 # After a restart, failover or SCRIPT FLUSH the server has forgotten the script.
-                await self.connection.call("SCRIPT", "LOAD", script)
+                await self.connection.call("SCRIPT", "LOAD", script, key=keys[0])  # a cluster: that node
                 return await self.connection.call("EVALSHA", sha, len(keys), *keys, *args)
         except OUTAGE_ERRORS as error:
             raise StoreUnavailable(f"redis: {type(error).__name__}: {error}") from error

@@ -12,10 +12,12 @@ import pytest
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 
+from extproc.quota.cluster import client
 from extproc.quota.limits import DAY_MS, Admission, Lease, LimitKind, Limits, Quota, Verdict, month_of
 from extproc.quota.memory import MemoryStore
 from extproc.quota.redis_store import _PRELUDE, RedisStore
 from extproc.quota.store import QuotaStore
+from llmgw_testing.redis_cluster import RedisCluster
 from llmgw_testing.redis_server import RedisServer
 from tests.helpers import eventually
 from tests.quota.workers import Job, open_store, run_processes
@@ -23,11 +25,15 @@ from tests.quota.workers import Job, open_store, run_processes
 MakeStore = Callable[..., QuotaStore]
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 def target(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """Where the store under test keeps its state: a SQLite file, or the shared Redis."""
+    """Where the store under test keeps its state: a SQLite file, the shared Redis, or the shared
+    Redis Cluster (3 primaries: each tenant's keys on the primary of its slot)."""
     if request.param == "memory":
         return str(tmp_path / "quota.sqlite")
+    if request.param == "cluster":
+        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+        return cluster.url
     server: RedisServer = request.getfixturevalue("redis_server")
     return server.url
 
@@ -37,7 +43,7 @@ class StoreClock:
     moves it ahead; Redis's (``TIME`` in the scripts) cannot be moved, so ``reach`` waits for it."""
 
     def __init__(self, target: str) -> None:
-        self._redis = aioredis.Redis.from_url(target) if target.startswith("redis://") else None
+        self._redis = client(target) if target.startswith(("redis://", "redis+cluster://")) else None
         self._ahead_ms = 0
 
     def __call__(self) -> float:
@@ -78,7 +84,7 @@ async def make_store(target: str, store_clock: StoreClock) -> AsyncIterator[Make
     stores: list[QuotaStore] = []
 
     def make(lease_ttl_s: float = 60.0) -> QuotaStore:
-        if target.startswith("redis://"):
+        if target.startswith(("redis://", "redis+cluster://")):
             stores.append(open_store(target, lease_ttl_s))
         else:
             stores.append(MemoryStore(target, lease_ttl_s=lease_ttl_s, clock=store_clock))

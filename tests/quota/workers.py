@@ -30,8 +30,8 @@ class Job:
 
 
 def open_store(target: str, lease_ttl_s: float = 60.0) -> QuotaStore:
-    """A Redis store for a URL, a node-shared MemoryStore for a file path."""
-    if target.startswith("redis://"):
+    """A Redis store for a URL (one server's, or a cluster's), a node-shared MemoryStore for a file path."""
+    if target.startswith(("redis://", "redis+cluster://")):
         return RedisStore.from_url(target, timeout_s=5.0, lease_ttl_s=lease_ttl_s)
     return MemoryStore(target, lease_ttl_s=lease_ttl_s)
 

@@ -1,0 +1,113 @@
+"""A real Redis Cluster on 127.0.0.1 for tests and benchmarks: ``masters`` primaries sharing the
+16,384 slots evenly, each with ``replicas`` replicas, made with the cluster's own commands
+(``CLUSTER MEET``, ``ADDSLOTS``, ``REPLICATE``: redis-cli is not needed) from the same
+``redis-server`` the single-node tests use. Free ports only; every node is a child of this process.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from llmgw_testing.redis_server import RedisServer
+
+SLOTS = 16384
+BUS_OFFSET = 10000  # a node's cluster bus listens this far above its port (which must be <= 55535)
+NODE_TIMEOUT_MS = 1000  # how long a primary may be silent before its replica takes over
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus port (10,000 above) is free too."""
+    for _ in range(1000):
+        port = random.randint(20000, 65535 - BUS_OFFSET)
+        if _free(port) and _free(port + BUS_OFFSET):
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+@dataclass
+class RedisCluster:
+    binary: str
+    workdir: Path
+    masters: int = 3
+    replicas: int = 0
+    nodes: list[RedisServer] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        """``redis+cluster://`` with every primary as a seed node."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{node.port}" for node in self.nodes[:self.masters])
+
+    def client(self, node: RedisServer) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=2)
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Start every node, join them, give the primaries their slots and the replicas their
+        primaries; return once every node says the cluster is ok."""
+        for index in range(self.masters * (1 + self.replicas)):
+            workdir = self.workdir / f"node-{index}"
+            workdir.mkdir(parents=True, exist_ok=True)
+            node = RedisServer(self.binary, workdir, port=cluster_port(), extra_args=(
+                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--cluster-replica-validity-factor", "0"))
+            node.start()
+            self.nodes.append(node)
+        first = self.client(self.nodes[0])
+        for node in self.nodes[1:]:
+            first.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
+        per = SLOTS // self.masters
+        for index, node in enumerate(self.nodes[:self.masters]):
+            end = SLOTS if index == self.masters - 1 else (index + 1) * per
+            self.client(node).execute_command("CLUSTER", "ADDSLOTS", *range(index * per, end))
+        self._wait(lambda: all(len(self._nodes_of(node)) == len(self.nodes) for node in self.nodes), timeout,
+                   "every node knows every other")
+        for index, node in enumerate(self.nodes[self.masters:]):
+            primary = self.nodes[index % self.masters]
+            primary_id = self.client(primary).execute_command("CLUSTER", "MYID")
+            self.client(node).execute_command("CLUSTER", "REPLICATE", primary_id)
+        self._wait(lambda: all(self.ok(node) for node in self.nodes), timeout, "the cluster ok on every node")
+
+    def _nodes_of(self, node: RedisServer) -> list[str]:
+        return self.client(node).execute_command("CLUSTER", "NODES").decode().strip().splitlines()
+
+    def ok(self, node: RedisServer) -> bool:
+        """Whether ``node`` says the cluster is ok (every slot served)."""
+        try:
+            info = self.client(node).execute_command("CLUSTER", "INFO").decode()
+        except redis.RedisError:
+            return False
+        return "cluster_state:ok" in info
+
+    def primary_of(self, slot: int) -> RedisServer:
+        """The node serving ``slot`` now."""
+        for start, end, primary, *_ in self.client(self.nodes[-1]).execute_command("CLUSTER", "SLOTS"):
+            if start <= slot <= end:
+                return next(node for node in self.nodes if node.port == int(primary[1]))
+        raise LookupError(slot)
+
+    @staticmethod
+    def _wait(check: object, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():  # type: ignore[operator]
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis cluster: {what}: not within {timeout:.0f} s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Kill every node."""
+        for node in self.nodes:
+            node.stop()

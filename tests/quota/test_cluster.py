@@ -1,0 +1,123 @@
+"""Redis Cluster: the URL, slot routing with MOVED and ASK followed, and every piece of shared
+state (quotas, keys, the ledger, the response cache) on a real 3-primary cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+
+import pytest
+from redis.crc import key_slot
+
+from extproc.cache.store import RedisBackend
+from extproc.config import ConfigError, parse_config
+from extproc.keys import RedisKeyTable
+from extproc.ledger import RedisLedger, read_stream, unsettled_record
+from extproc.quota.cluster import ClusterConnection, ClusterUrl, parse_cluster, pipelined
+from extproc.quota.limits import Admission, Limits, Quota
+from extproc.quota.redis_store import RedisStore
+from llmgw_testing.redis_cluster import RedisCluster
+from tests.helpers import make_decision
+
+
+@pytest.mark.parametrize(("url", "parsed"), [
+    ("redis+cluster://10.0.0.1:7000,10.0.0.2:7001",
+     ClusterUrl("redis", None, None, (("10.0.0.1", 7000), ("10.0.0.2", 7001)))),
+    ("rediss+cluster://app:s%40cret@redis.internal:6380/0",
+     ClusterUrl("rediss", "app", "s@cret", (("redis.internal", 6380),))),
+    ("redis://127.0.0.1:6379/0", None),
+])
+def test_a_cluster_url_names_its_seed_nodes_and_credentials(url: str, parsed: ClusterUrl | None) -> None:
+    assert parse_cluster(url) == parsed
+
+
+def test_a_node_url_carries_the_clusters_credentials_and_scheme() -> None:
+    cluster = parse_cluster("rediss+cluster://:pw@a:1")
+    assert cluster is not None and cluster.node_url("10.1.2.3", 7002) == "rediss://:pw@10.1.2.3:7002/0"
+
+
+async def test_six_tenants_on_six_slots_are_all_admitted(redis_cluster: RedisCluster) -> None:
+    # The reported failure: one node configured, 5 of 6 tenants got MOVED, then 500.
+    store = RedisStore.from_url(redis_cluster.url)
+    try:
+        tenants = [f"t{i}-{uuid.uuid4().hex[:6]}" for i in range(6)]
+        assert len({redis_cluster.primary_of(key_slot(t.encode())).port for t in tenants}) >= 2
+        for tenant in tenants:
+            verdicts = [await store.admit(Admission(tenant, f"l{n}", 0), Quota(Limits(rpm=2))) for n in range(3)]
+            assert [v.admitted for v in verdicts] == [True, True, False]  # exact, per tenant
+    finally:
+        await store.close()
+
+
+def _migrate(cluster: RedisCluster, slot: int, *, finish: bool) -> None:
+    """Start moving ``slot`` to another primary (ASK while it moves), and end it (MOVED after)."""
+    source = cluster.primary_of(slot)
+    target = next(node for node in cluster.nodes[:cluster.masters] if node is not source)
+    source_id = cluster.client(source).execute_command("CLUSTER", "MYID").decode()
+    target_id = cluster.client(target).execute_command("CLUSTER", "MYID").decode()
+    cluster.client(target).execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+    cluster.client(source).execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+    keys = cluster.client(source).execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100)
+    if keys:
+        cluster.client(source).execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
+    if finish:
+        for node in cluster.nodes[:cluster.masters]:
+            cluster.client(node).execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+
+
+async def test_moved_and_ask_are_followed(redis_cluster: RedisCluster) -> None:
+    connection = pipelined(redis_cluster.url)
+    assert isinstance(connection, ClusterConnection)
+    try:
+        asked, moved = f"asked-{uuid.uuid4().hex}", f"moved-{uuid.uuid4().hex}"
+        await connection.call("SET", asked, "before")
+        await connection.call("SET", moved, "before")
+        _migrate(redis_cluster, key_slot(asked.encode()), finish=False)  # its key moved: ASK
+        assert await connection.call("GET", asked) == b"before"
+        assert connection.redirections >= 1
+        _migrate(redis_cluster, key_slot(moved.encode()), finish=True)  # its slot moved: MOVED
+        seen = connection.redirections
+        assert await connection.call("GET", moved) == b"before"
+        assert connection.redirections == seen + 1
+        assert await connection.call("GET", moved) == b"before"  # the map learned it: no more redirection
+        assert connection.redirections == seen + 1
+    finally:
+        await connection.close()
+
+
+async def test_keys_ledger_and_cache_work_on_the_cluster(redis_cluster: RedisCluster) -> None:
+    table = RedisKeyTable.from_url(redis_cluster.url)
+    ledger = RedisLedger.from_url(redis_cluster.url)
+    cache = RedisBackend(redis_cluster.url)
+    try:
+        key = f"sk-cluster-{uuid.uuid4().hex}"
+        assert await table.add(key, "team-a")
+        assert "team-a" in (await table.list()).values()
+        assert await table.revoke(key)
+        usage = unsettled_record(make_decision())
+        await ledger.append(usage)
+        stored = await asyncio.to_thread(lambda: [r.id for r in read_stream(redis_cluster.url)])
+        assert usage.id in stored
+        entry = uuid.uuid4().hex.encode()
+        await cache.put(entry, b"answer", 2**62, 60_000)
+        assert (await cache.get(entry)) == (b"answer", 2**62)
+        assert entry in await cache.known()  # SCAN over every primary
+    finally:
+        await table.aclose()
+        await ledger.close()
+        await cache.close()
+
+
+@pytest.mark.parametrize(("url", "message"), [
+    ("redis+cluster://nohost", "redis_url: nohost: a cluster node is host:port"),
+    ("redis+cluster://a:1/2", "redis_url: a Redis Cluster has only database 0"),
+    ("memcached://a:1", "redis_url: memcached: not a Redis URL scheme"),
+])
+def test_a_bad_redis_url_is_refused_naming_the_field(url: str, message: str) -> None:
+    document = {"pools": [{"name": "p", "endpoints": ["10.0.0.1:8000"]}], "models": [{"name": "m", "pool": "p"}]}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config({**document, "redis_url": url}, env={})
+    from_env = message.replace("redis_url:", "redis_url (from LLMGW_REDIS_URL):")
+    with pytest.raises(ConfigError, match=re.escape(from_env)):
+        parse_config(document, env={"LLMGW_REDIS_URL": url})
