@@ -18,7 +18,6 @@ from llmgw_testing.redis_server import RedisServer
 
 SLOTS = 16384
 BUS_OFFSET = 10000  # a node's cluster bus listens this far above its port (which must be <= 55535)
-NODE_TIMEOUT_MS = 1000  # how long a primary may be silent before its replica takes over
 
 
 def _free(port: int) -> bool:
@@ -45,6 +44,7 @@ class RedisCluster:
     workdir: Path
     masters: int = 3
     replicas: int = 0
+    node_timeout_ms: int = 5000  # how long a primary may be silent before it is failed (its replica takes over)
     nodes: list[RedisServer] = field(default_factory=list)
 
     @property
@@ -63,7 +63,9 @@ class RedisCluster:
             workdir.mkdir(parents=True, exist_ok=True)
             node = RedisServer(self.binary, workdir, port=cluster_port(), extra_args=(
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--cluster-replica-validity-factor", "0"))
+                "--cluster-node-timeout", str(self.node_timeout_ms), "--cluster-replica-validity-factor", "0",
+                # the other primaries keep serving their slots while one is failing over
+                "--cluster-require-full-coverage", "no"))
             node.start()
             self.nodes.append(node)
         first = self.client(self.nodes[0])

@@ -4,8 +4,12 @@ state (quotas, keys, the ledger, the response cache) on a real 3-primary cluster
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
+import time
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from redis.crc import key_slot
@@ -17,7 +21,9 @@ from extproc.ledger import RedisLedger, read_stream, unsettled_record
 from extproc.quota.cluster import ClusterConnection, ClusterUrl, parse_cluster, pipelined
 from extproc.quota.limits import Admission, Limits, Quota
 from extproc.quota.redis_store import RedisStore
+from extproc.quota.store import StoreUnavailable
 from llmgw_testing.redis_cluster import RedisCluster
+from llmgw_testing.redis_server import redis_binary
 from tests.helpers import make_decision
 
 
@@ -121,3 +127,54 @@ def test_a_bad_redis_url_is_refused_naming_the_field(url: str, message: str) -> 
     from_env = message.replace("redis_url:", "redis_url (from LLMGW_REDIS_URL):")
     with pytest.raises(ConfigError, match=re.escape(from_env)):
         parse_config(document, env={"LLMGW_REDIS_URL": url})
+
+
+@pytest.fixture
+def replicated_cluster(tmp_path: Path) -> Iterator[RedisCluster]:
+    """3 primaries with a replica each, of this test's own: it kills one."""
+    binary = redis_binary()
+    assert binary is not None
+    cluster = RedisCluster(binary, tmp_path, masters=3, replicas=1, node_timeout_ms=1000)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.timeout(120)
+async def test_a_killed_primary_fails_over_and_only_its_tenants_wait(replicated_cluster: RedisCluster) -> None:
+    # Six tenants ask as fast as they can, each with an rpm limit well above what it sends; the
+    # primary of the first one's slot is killed. Its replica takes over (cluster-node-timeout 1 s here):
+    # the store reads the new slot map and admits again. Tenants of the other primaries never wait.
+    store = RedisStore.from_url(replicated_cluster.url)
+    tenants = [f"f{i}-{uuid.uuid4().hex[:6]}" for i in range(6)]
+    victim = replicated_cluster.primary_of(key_slot(tenants[0].encode()))
+    on_victim = {t for t in tenants if replicated_cluster.primary_of(key_slot(t.encode())) is victim}
+    outages = {tenant: 0 for tenant in tenants}
+    killed_at: list[float] = []
+    back: dict[str, float] = {}  # seconds from the kill to each tenant's next admission (after its outage)
+
+    async def ask(tenant: str) -> None:
+        for n in itertools.count():
+            if tenant == tenants[0] and n == 200:
+                killed_at.append(time.monotonic())
+                victim.stop()
+            try:
+                await store.admit(Admission(tenant, f"l{n}", 0), Quota(Limits(rpm=1_000_000)))
+                if killed_at and tenant not in back and (tenant not in on_victim or outages[tenant]):
+                    back[tenant] = time.monotonic() - killed_at[0]
+            except StoreUnavailable:
+                outages[tenant] += 1
+                await asyncio.sleep(0.02)
+            if len(back) == len(tenants):
+                return
+
+    try:
+        await asyncio.wait_for(asyncio.gather(*(ask(tenant) for tenant in tenants)), 60)
+    finally:
+        await store.close()
+    assert all(outages[t] == 0 for t in tenants if t not in on_victim), outages
+    waited = max(back[t] for t in on_victim)
+    assert waited < 10.0, back  # admitting again within seconds of the kill
+    print(f"\nfailover: tenants of the killed primary admitted again after {waited:.1f} s; outages {outages}")
