@@ -45,15 +45,16 @@ class RedisCluster:
     masters: int = 3
     replicas: int = 0
     node_timeout_ms: int = 5000  # how long a primary may be silent before it is failed (its replica takes over)
+    host: str = "127.0.0.1"  # the address every node binds and announces
     nodes: list[RedisServer] = field(default_factory=list)
 
     @property
     def url(self) -> str:
         """``redis+cluster://`` with every primary as a seed node."""
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{node.port}" for node in self.nodes[:self.masters])
+        return "redis+cluster://" + ",".join(f"{self.host}:{node.port}" for node in self.nodes[:self.masters])
 
     def client(self, node: RedisServer) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=2)
+        return redis.Redis(host=self.host, port=node.port, socket_timeout=2)
 
     def start(self, timeout: float = 30.0) -> None:
         """Start every node, join them, give the primaries their slots and the replicas their
@@ -61,7 +62,7 @@ class RedisCluster:
         for index in range(self.masters * (1 + self.replicas)):
             workdir = self.workdir / f"node-{index}"
             workdir.mkdir(parents=True, exist_ok=True)
-            node = RedisServer(self.binary, workdir, port=cluster_port(), extra_args=(
+            node = RedisServer(self.binary, workdir, port=cluster_port(), host=self.host, extra_args=(
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                 "--cluster-node-timeout", str(self.node_timeout_ms), "--cluster-replica-validity-factor", "0",
                 # the other primaries keep serving their slots while one is failing over
@@ -70,7 +71,7 @@ class RedisCluster:
             self.nodes.append(node)
         first = self.client(self.nodes[0])
         for node in self.nodes[1:]:
-            first.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
+            first.execute_command("CLUSTER", "MEET", self.host, node.port)
         per = SLOTS // self.masters
         for index, node in enumerate(self.nodes[:self.masters]):
             end = SLOTS if index == self.masters - 1 else (index + 1) * per

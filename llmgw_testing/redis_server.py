@@ -36,17 +36,18 @@ class RedisServer:
     proc: subprocess.Popen[bytes] | None = None
     persistent: bool = False  # an fsync'ed append-only file, so data survives a kill and restart
     extra_args: tuple[str, ...] = ()  # more redis-server options (cluster mode: llmgw_testing.redis_cluster)
+    host: str = "127.0.0.1"  # the address it binds (a bridge's, for gateways in network namespaces)
 
     @property
     def url(self) -> str:
         """``redis://127.0.0.1:PORT/0``."""
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     def start(self) -> None:
         """Start the server and wait until it accepts connections."""
         log = open(self.workdir / f"redis-{self.port}.log", "ab")  # owned by the child
         self.proc = subprocess.Popen(
-            [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+            [self.binary, "--bind", self.host, "--port", str(self.port), "--save", "",
              *(("--appendonly", "yes", "--appendfsync", "always") if self.persistent else ("--appendonly", "no")),
              "--dir", str(self.workdir), "--protected-mode", "no", *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT)
@@ -56,7 +57,7 @@ class RedisServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.workdir}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
+                with socket.create_connection((self.host, self.port), timeout=0.2) as sock:
                     sock.sendall(b"PING\r\n")
                     if sock.recv(16).startswith(b"+PONG"):
                         return
