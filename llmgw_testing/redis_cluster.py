@@ -82,7 +82,8 @@ class RedisCluster:
             primary = self.nodes[index % self.masters]
             primary_id = self.client(primary).execute_command("CLUSTER", "MYID")
             self.client(node).execute_command("CLUSTER", "REPLICATE", primary_id)
-        self._wait(lambda: all(self.ok(node) for node in self.nodes), timeout, "the cluster ok on every node")
+        self._wait(lambda: all(self.ok(node) and self._covered(node) for node in self.nodes), timeout,
+                   "the cluster ok, every slot served, on every node")
 
     def _nodes_of(self, node: RedisServer) -> list[str]:
         return self.client(node).execute_command("CLUSTER", "NODES").decode().strip().splitlines()
@@ -94,6 +95,14 @@ class RedisCluster:
         except redis.RedisError:
             return False
         return "cluster_state:ok" in info
+
+    def _covered(self, node: RedisServer) -> bool:
+        """Whether ``node``'s slot map serves all 16,384 slots (what a client reads first)."""
+        try:
+            ranges = self.client(node).execute_command("CLUSTER", "SLOTS")
+        except redis.RedisError:
+            return False
+        return sum(int(end) - int(start) + 1 for start, end, *_ in ranges) == SLOTS
 
     def primary_of(self, slot: int) -> RedisServer:
         """The node serving ``slot`` now."""

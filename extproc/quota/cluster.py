@@ -205,6 +205,11 @@ class ClusterConnection:
                 await self.refresh(forget=address)
         raise ConnectionError(f"redis cluster: more than {MAX_REDIRECTIONS} redirections for slot {slot}")
 
+    def owner(self, key: str | bytes) -> str:
+        """``host:port`` of the primary serving ``key``'s slot as last known ("" before the map is read)."""
+        address = self._slots[_slot(key)]
+        return f"{address[0]}:{address[1]}" if address is not None else ""
+
     def _refresh_soon(self) -> None:
         if self._refreshing is None or self._refreshing.done():
             self._refreshing = asyncio.get_running_loop().create_task(self.refresh())

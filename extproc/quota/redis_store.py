@@ -368,6 +368,14 @@ class RedisStore:
         connection = pipelined(url, timeout_s=timeout_s, connect_timeout_s=timeout_s, batch_s=settle_batch_s)
         return cls(connection, lease_ttl_s=lease_ttl_s)
 
+    def domain(self, tenant: str) -> str:
+        """Where ``tenant``'s keys live, as a failure domain (``FallbackStore``): on a Redis Cluster
+        the primary serving their slot, else the one server ("")."""
+        connection = self.connection
+        if isinstance(connection, ClusterConnection):
+            return connection.owner(f"{self.prefix}:{{{tag(tenant)}}}")
+        return ""
+
     def _keys(self, tenant: str, qos: str, suffixes: tuple[str, ...]) -> tuple[str, ...]:
         found = self._key_cache.get((tenant, qos, suffixes))
         if found is None:

@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 from extproc.quota.fallback import FallbackStore, OnStoreError
-from extproc.quota.limits import Admission, Limits, Quota
+from extproc.quota.limits import Admission, Limits, Quota, Verdict
 from extproc.quota.memory import MemoryStore
 from extproc.quota.redis_store import RedisStore
 from extproc.quota.store import StoreUnavailable
@@ -81,3 +81,23 @@ async def test_fail_closed_raises_for_a_503(own_redis_server: RedisServer) -> No
 def test_stores_need_distinct_names() -> None:
     with pytest.raises(ValueError, match="different names"):
         FallbackStore(MemoryStore(), MemoryStore(), OnStoreError.LOCAL)
+
+
+async def test_an_outage_of_one_failure_domain_leaves_the_others_on_the_primary() -> None:
+    # A Redis Cluster: the primary of one tenant's slot is away; the other tenant's primary answers.
+    class Split(MemoryStore):
+        name = "split"
+
+        def domain(self, tenant: str) -> str:
+            return "node-a" if tenant == "on-a" else "node-b"
+
+        async def admit(self, admission: Admission, quota: Quota) -> Verdict:
+            if admission.tenant == "on-a":
+                raise StoreUnavailable("node-a is down")
+            return await super().admit(admission, quota)
+
+    store = FallbackStore(Split(), MemoryStore(), OnStoreError.LOCAL)
+    quota = Quota(Limits(rpm=100))
+    assert (await store.admit(Admission("on-a", "l1", 0), quota)).lease.store == "memory"  # type: ignore[union-attr]
+    assert (await store.admit(Admission("on-b", "l2", 0), quota)).lease.store == "split"  # type: ignore[union-attr]
+    assert store.stats.in_outage and store.stats.local_admissions == 1
