@@ -178,3 +178,34 @@ async def test_a_killed_primary_fails_over_and_only_its_tenants_wait(replicated_
     waited = max(back[t] for t in on_victim)
     assert waited < 10.0, back  # admitting again within seconds of the kill
     print(f"\nfailover: tenants of the killed primary admitted again after {waited:.1f} s; outages {outages}")
+
+
+@pytest.mark.timeout(120)
+async def test_a_limit_holds_across_a_failover_within_what_was_in_flight(replicated_cluster: RedisCluster) -> None:
+    # Redis replicates asynchronously: a count the dying primary acknowledged but had not sent to
+    # its replica is lost, so a tenant may be admitted past its limit by at most the admissions in
+    # flight at the kill (16 here). Measured: none past it in every run so far.
+    store = RedisStore.from_url(replicated_cluster.url)
+    tenant, limit, in_flight = f"o-{uuid.uuid4().hex[:6]}", 2000, 16
+    victim = replicated_cluster.primary_of(key_slot(f"llmgw:quota:{{{tenant}}}".encode()))
+    admitted = refused = 0
+    ids = itertools.count()
+
+    async def one() -> None:
+        nonlocal admitted, refused
+        try:
+            verdict = await store.admit(Admission(tenant, f"l{next(ids)}", 0), Quota(Limits(rpm=limit)))
+        except StoreUnavailable:
+            await asyncio.sleep(0.02)  # failing over
+            return
+        admitted += verdict.admitted
+        refused += not verdict.admitted
+
+    try:
+        while refused < 20:
+            await asyncio.gather(*(one() for _ in range(in_flight)))
+            if admitted >= limit // 2 and victim.proc is not None:
+                victim.stop()
+    finally:
+        await store.close()
+    assert limit <= admitted <= limit + in_flight, admitted
