@@ -105,12 +105,7 @@ def client(url: str, **options: Any) -> Any:
     from redis import asyncio as aioredis
     from redis.asyncio.cluster import ClusterNode
 
-    cluster = parse_cluster(url)
-    if cluster is None:
-        return aioredis.Redis.from_url(url, **options)
-    return aioredis.RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in cluster.seeds],
-                                 username=cluster.username, password=cluster.password,
-                                 ssl=cluster.scheme == "rediss", **options)
+    return _redis_py(url, aioredis.Redis, aioredis.RedisCluster, ClusterNode, options)
 
 
 def sync_client(url: str, **options: Any) -> Any:
@@ -118,12 +113,17 @@ def sync_client(url: str, **options: Any) -> Any:
     import redis
     from redis.cluster import ClusterNode
 
+    return _redis_py(url, redis.Redis, redis.RedisCluster, ClusterNode, options)
+
+
+def _redis_py(url: str, single: Any, cluster_class: Any, node: Any, options: dict[str, Any]) -> Any:
+    """One of redis-py's client classes (asyncio or blocking) for ``url``."""
     cluster = parse_cluster(url)
     if cluster is None:
-        return redis.Redis.from_url(url, **options)
-    return redis.RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in cluster.seeds],
-                              username=cluster.username, password=cluster.password,
-                              ssl=cluster.scheme == "rediss", **options)
+        return single.from_url(url, **options)
+    return cluster_class(startup_nodes=[node(host, port) for host, port in cluster.seeds],
+                         username=cluster.username, password=cluster.password, ssl=cluster.scheme == "rediss",
+                         **options)
 
 
 def _routing_key(args: tuple[str | int | bytes, ...]) -> str | int | bytes | None:
@@ -177,9 +177,7 @@ class ClusterConnection:
                     raise ConnectionError(f"redis cluster: no node serves slot {slot}")
             connection = self._node(address)
             try:
-                if asking is None:
-                    return await connection.call(*args, later=later)
-                return await connection.asking(*args)
+                return await connection.call(*args, later=later, asking=asking is not None)
             except RedisReplyError as error:
                 kind, _, rest = str(error).partition(" ")
                 if kind in ("MOVED", "ASK"):

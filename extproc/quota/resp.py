@@ -140,32 +140,23 @@ class PipelinedConnection:
         self._protocol: _Protocol | None = None
         self._connecting: asyncio.Task[_Protocol] | None = None
 
-    async def call(self, *args: str | int | bytes, later: bool = False, key: str | bytes | None = None) -> Any:
+    async def call(self, *args: str | int | bytes, later: bool = False, key: str | bytes | None = None,
+                   asking: bool = False) -> Any:
         """Send one command and return its reply; ``later`` lets it wait up to ``batch_s`` to be
         written with others (for calls nobody is waiting on). Raises ``RedisReplyError`` for an
         error reply, ``ConnectionError``/``TimeoutError`` for an outage. ``key``: the key a cluster
-        would route it by (``extproc.quota.cluster``); one server has no use for it."""
+        would route it by (``extproc.quota.cluster``); one server has no use for it. ``asking``:
+        ``ASKING`` is written just before it (Redis Cluster's answer to ``ASK``: the node takes the
+        command for a slot it is importing)."""
         protocol = self._protocol
         if protocol is None or protocol.lost is not None:
             protocol = await self._connect()
+        asked = protocol.send(_pack(("ASKING",)), later=later) if asking else None
         future = protocol.send(_pack(args), later=later)
         try:
             async with asyncio.timeout(self.timeout_s + (self.batch_s if later else 0.0)):
-                return await future
-        except TimeoutError:
-            protocol.abort(TimeoutError(f"no reply within {self.timeout_s}s"))
-            raise TimeoutError(f"redis: no reply within {self.timeout_s}s") from None
-
-    async def asking(self, *args: str | int | bytes) -> Any:
-        """``ASKING`` then the command, written together (Redis Cluster's answer to ``ASK``: the
-        node takes the command for a slot it is importing); the command's reply."""
-        protocol = self._protocol
-        if protocol is None or protocol.lost is not None:
-            protocol = await self._connect()
-        asked, future = protocol.send(_pack(("ASKING",))), protocol.send(_pack(args))
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                await asked
+                if asked is not None:
+                    await asked
                 return await future
         except TimeoutError:
             protocol.abort(TimeoutError(f"no reply within {self.timeout_s}s"))
