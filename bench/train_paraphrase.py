@@ -34,8 +34,9 @@ import yaml
 from rich.progress import Progress
 
 from bench.common import emit
-from extproc.cache.paraphrase import MODEL_PATH, ParaphraseModel, fit_stumps, pair_features, read, same_words, veto
+from extproc.cache.paraphrase import MODEL_PATH, ParaphraseModel, pair_features, read, same_words, veto
 from extproc.routing.embedders import build_embedder
+from extproc.stumps import fit_stumps
 
 DATA = Path(__file__).parent / "data"
 BLIND = DATA / "blind"  # only their prompts' texts are read here, to leave those out of training

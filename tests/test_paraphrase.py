@@ -13,7 +13,6 @@ from extproc.cache.paraphrase import (
     FEATURES,
     MODEL_PATH,
     ParaphraseModel,
-    fit_stumps,
     pair_features,
     read,
     same_words,
@@ -21,6 +20,7 @@ from extproc.cache.paraphrase import (
 )
 from extproc.cache.semantic import SemanticIndex, default_check
 from extproc.routing.embedders import HashingEmbedder
+from extproc.stumps import fit_stumps
 
 
 def test_a_prompt_is_read_once_for_its_numbers_units_quotes_code_and_negations() -> None:

@@ -25,7 +25,7 @@ index finds (``SemanticIndex``) is checked in three steps:
 Step 2 comes before the model because the pairs it learned from hold no pair that close, and a
 stump on the cosine learned that a near miss's cosine is often the highest.
 
-The model is boosted decision stumps (an additive model: each feature's contribution is a step
+The model is boosted decision stumps (``extproc.stumps``: each feature's contribution is a step
 function), trained by ``python -m bench.train_paraphrase`` on this project's own labelled pairs
 (``bench/data/paraphrases*.yaml``), never on the blind sets, and shipped as
 ``paraphrase_model.json`` beside this module, on the pairs the vetoes let through. Its probability
@@ -42,12 +42,11 @@ import json
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from extproc.cjk import CJK
+from extproc.stumps import Stump, Stumps
 
 MODEL_PATH = Path(__file__).with_name("paraphrase_model.json")
 DISORDER_WORDS = 64  # shared words whose order is compared (2,016 pairs at most)
@@ -193,16 +192,19 @@ def _disorder(first: tuple[str, ...], second: tuple[str, ...]) -> float:
 class ParaphraseModel:
     """Boosted stumps: each (feature, split, value if <= split, value if above) adds to the log-odds."""
 
-    stumps: tuple[tuple[int, float, float, float], ...]
+    stumps: tuple[Stump, ...]
     bias: float
     threshold: float  # the probability a pair must reach to be served as the same request
     embedder: str = "minilm"  # whose cosines it was trained on: valid with that embedder only
     min_cosine: float = 0.5  # no pair below it was served in cross-validation: the index's candidate floor
+    _model: Stumps = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_model", Stumps(self.stumps, self.bias))
 
     def probability(self, features: list[float]) -> float:
         """The probability that the pair asks for the same answer."""
-        log_odds = self.bias + sum(left if features[j] <= split else right for j, split, left, right in self.stumps)
-        return 1.0 / (1.0 + math.exp(-log_odds))
+        return self._model.probability_one(features)
 
     def same(self, features: list[float]) -> bool:
         """Whether the pair's features say it is one request."""
@@ -227,36 +229,3 @@ class ParaphraseModel:
             raise ValueError(f"{path}: trained on {data['features']}, not {list(FEATURES)}")
         return cls(tuple((int(j), float(t), float(lo), float(hi)) for j, t, lo, hi in data["stumps"]),
                    float(data["bias"]), float(data["threshold"]), str(data["embedder"]), float(data["min_cosine"]))
-
-
-def fit_stumps(x: np.ndarray, y: np.ndarray, rounds: int = 300, learning_rate: float = 0.1, min_leaf: int = 8,
-               l2: float = 1.0) -> tuple[tuple[tuple[int, float, float, float], ...], float]:
-    """Gradient-boosted stumps for the log-loss (Newton steps, an L2 penalty on leaf values): the
-    stumps and the bias. Deterministic: ties go to the first feature and the lowest split."""
-    prior = float(np.clip(y.mean(), 1e-6, 1 - 1e-6))
-    bias = math.log(prior / (1 - prior))
-    f = np.full(len(y), bias)
-    stumps = []
-    orders = [np.argsort(x[:, j], kind="stable") for j in range(x.shape[1])]
-    for _ in range(rounds):
-        p = 1.0 / (1.0 + np.exp(-f))
-        g, h = p - y, p * (1 - p)
-        best: tuple[float, int, float, float, float] | None = None
-        base = g.sum() ** 2 / (h.sum() + l2)
-        for j, order in enumerate(orders):
-            xs, gs, hs = x[order, j], np.cumsum(g[order]), np.cumsum(h[order])
-            for k in range(min_leaf, len(y) - min_leaf):
-                if xs[k] == xs[k - 1]:
-                    continue
-                gl, hl = gs[k - 1], hs[k - 1]
-                gr, hr = gs[-1] - gl, hs[-1] - hl
-                gain = gl ** 2 / (hl + l2) + gr ** 2 / (hr + l2) - base
-                if best is None or gain > best[0]:
-                    best = (gain, j, float((xs[k] + xs[k - 1]) / 2), float(-gl / (hl + l2)), float(-gr / (hr + l2)))
-        if best is None or best[0] <= 0:
-            break
-        _, j, split, left, right = best
-        stump = (j, split, learning_rate * left, learning_rate * right)
-        stumps.append(stump)
-        f += np.where(x[:, j] <= split, stump[2], stump[3])
-    return tuple(stumps), bias
