@@ -5,7 +5,9 @@ Routing: each of the three configs (``routing_*.yaml``: a user's own small ``int
 examples per intent, and 80 new prompts, 12 of them out of every intent's domain) is compiled as
 the gateway compiles it, with the defaults, and every prompt classified through the same index
 the gateway builds (``extproc.routing.classifier.build_index``). A prompt is right when the chosen
-intent is its label; ``none`` is right when no intent is chosen (the default route).
+intent is its label; ``none`` is right when no intent is chosen (the default route). Each lane is an
+embedder with its default decision, or ``embedder:decision`` (``multilingual:threshold``: the
+threshold decision the learned one replaced, in the same run).
 
 Cache: every pair of the four writers' files (``cache_pairs_*.yaml``) is evaluated as the cache
 meets it (``bench.cache_semantic.evaluate``: ``a`` alone in a fresh partition, then ``b`` looked
@@ -55,7 +57,7 @@ def routing_configs() -> dict[str, dict[str, Any]]:
             for path in sorted(BLIND.glob("routing_*.yaml"))}
 
 
-def gateway_document(blind: dict[str, Any], embedder: str) -> dict[str, Any]:
+def gateway_document(blind: dict[str, Any], embedder: str, decision: str | None = None) -> dict[str, Any]:
     """The blind config as a user's llmgw.yaml: one model per intent, a default route, defaults
     everywhere else."""
     routes = []
@@ -65,12 +67,14 @@ def gateway_document(blind: dict[str, Any], embedder: str) -> dict[str, Any]:
     models = [{"name": r["model"], "pool": "pool"} for r in routes] + [{"name": "default-model", "pool": "pool"}]
     return {"pools": [{"name": "pool", "endpoints": ["127.0.0.1:1"]}], "models": models,
             "intents": {"embedder": {"kind": embedder}, "default": {"model": "default-model"}, "routes": routes,
-                        "cache_size": 0}}
+                        "cache_size": 0, **({"decision": decision} if decision else {})}}
 
 
-def route_blind(name: str, blind: dict[str, Any], embedder: str) -> dict[str, Any]:
-    """Accuracy of one config's prompts under ``embedder``, and the time one prompt takes."""
-    config = parse_config(gateway_document(blind, embedder))
+def route_blind(name: str, blind: dict[str, Any], lane: str) -> dict[str, Any]:
+    """Accuracy of one config's prompts in ``lane`` (an embedder, or ``embedder:decision``), and the
+    time one prompt takes."""
+    embedder, _, decision = lane.partition(":")
+    config = parse_config(gateway_document(blind, embedder, decision or None))
     assert config.intents is not None
     built = time.perf_counter()
     index = build_index(config.intents)
@@ -88,7 +92,7 @@ def route_blind(name: str, blind: dict[str, Any], embedder: str) -> dict[str, An
     outside = [r for r, label in zip(right, labels, strict=True) if label == NONE]
     langs = Counter(item.get("lang", "en") for item in items)
     return {
-        "config": name, "embedder": embedder, "prompts": len(items),
+        "config": name, "embedder": embedder, "lane": lane, "decision": index.decision, "prompts": len(items),
         "accuracy": round(sum(right) / len(right), 4),
         "in_domain_accuracy": round(sum(in_domain) / len(in_domain), 4),
         "none_accuracy": round(sum(outside) / len(outside), 4) if outside else None,
@@ -103,10 +107,11 @@ def route_blind(name: str, blind: dict[str, Any], embedder: str) -> dict[str, An
     }
 
 
-def route_through_stack(name: str, blind: dict[str, Any], embedder: str, progress: Progress) -> dict[str, Any]:
+def route_through_stack(name: str, blind: dict[str, Any], lane: str, progress: Progress) -> dict[str, Any]:
     """The config through Envoy and extproc: accuracy read from the served model, and the p50 of
     ``auto`` against the default model named directly (alternating, one request at a time)."""
-    document = gateway_document(blind, embedder)
+    embedder, _, decision = lane.partition(":")
+    document = gateway_document(blind, embedder, decision or None)
     document["pools"] = [{"name": "pool", "simulate": 1}]
     items = blind["eval"]
     with TemporaryDirectory(prefix="llmgw-blind-") as tmp:
@@ -164,7 +169,8 @@ def cache_blind(progress: Progress, check: Check | None = None) -> dict[str, Any
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.blind", description=__doc__.split("\n\n")[0])
     parser.add_argument("--routing-embedders", type=lambda v: v.split(","),
-                        default=["multilingual", "hybrid", "minilm", "hashing"])
+                        default=["multilingual", "multilingual:threshold", "hybrid", "minilm", "hashing"],
+                        help="lanes: an embedder with its default decision, or embedder:decision")
     parser.add_argument("--stack", action="store_true",
                         help="also each config through the real stack (the first embedder)")
     parser.add_argument("--no-cache", action="store_true", help="routing only")
@@ -183,8 +189,8 @@ def main(argv: list[str] | None = None) -> None:
                     progress.advance(task)
             out["routing"] = rows
             out["routing_mean_accuracy"] = {
-                embedder: round(statistics.mean(r["accuracy"] for r in rows if r["embedder"] == embedder), 4)
-                for embedder in args.routing_embedders}
+                lane: round(statistics.mean(r["accuracy"] for r in rows if r["lane"] == lane), 4)
+                for lane in args.routing_embedders}
             out["routing_target"] = ROUTING_TARGET
             if args.stack:
                 stack = [route_through_stack(name, blind, args.routing_embedders[0], progress)

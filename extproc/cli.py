@@ -361,8 +361,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     if args.format == "json":
         print(json.dumps({**asdict(result), "warnings": result.warnings}, indent=2))
         return 0
-    table = Table(title=f"held-out examples ({result.embedder}, {result.scoring}; threshold {result.threshold:g}, "
-                        f"margin {result.margin:g})")
+    how = f"learned decision, confidence {result.confidence:g}" if result.decision == "learned" \
+        else f"threshold {result.threshold:g}, margin {result.margin:g}"
+    table = Table(title=f"held-out examples ({result.embedder}, {result.scoring}; {how})")
     table.add_column("intent")
     table.add_column("found its intent", justify="right")
     for name, accuracy in result.per_intent.items():

@@ -29,7 +29,18 @@ from extproc.routing.embedders import (
     build_embedder,
     gelu,
 )
-from extproc.routing.intents import Intent, IntentIndex, IntentMatch, background_prompts, decide
+from extproc.routing.intents import (
+    FEATURES,
+    MODEL_PATH,
+    Intent,
+    IntentIndex,
+    IntentMatch,
+    IntentModel,
+    IntentStats,
+    background_prompts,
+    decide,
+    intent_features,
+)
 from llmgw_sim import SimOptions, build_app
 
 REPO = Path(__file__).resolve().parents[1]
@@ -197,6 +208,94 @@ def test_a_prompt_more_like_general_traffic_than_like_its_intent_takes_the_defau
     assert plain.classify("tell me a joke about cats please").intent == code  # no background: taken
     nearest = IntentIndex([code], HashingEmbedder(), threshold=0.0, scoring="nearest", background=background)
     assert nearest.background_size == 0  # measured with centroid scoring only
+
+
+def test_intent_features_read_each_intent_against_the_others() -> None:
+    scores = np.array([[0.5, 0.3, 0.1]])
+    nearest = np.array([[0.7, 0.6, 0.2]])
+    stats = IntentStats(np.array([0.4, 0.5, 0.3]), np.array([0.1, 0.2, 0.05]))
+    rows = intent_features(scores, nearest, np.array([0.2]), stats)[0]
+    assert rows.shape == (3, len(FEATURES))
+    named = [dict(zip(FEATURES, row, strict=True)) for row in rows]
+    assert named[0] == pytest.approx({"score": 0.5, "nearest": 0.7, "over_runner_up": 0.2, "over_mean": 0.3,
+                                      "over_background": 0.3, "self_z": 1.0, "rank": 0.0, "intents": 3.0})
+    assert named[2] == pytest.approx({"score": 0.1, "nearest": 0.2, "over_runner_up": -0.4, "over_mean": -0.3,
+                                      "over_background": -0.1, "self_z": -4.0, "rank": 2.0, "intents": 3.0})
+    alone = intent_features(np.array([[0.5]]), np.array([[0.6]]), np.array([0.1]),
+                            IntentStats(np.array([0.5]), np.array([0.1])))[0, 0]
+    assert alone[FEATURES.index("over_runner_up")] == pytest.approx(1.5)  # the runner-up of one intent is -1
+
+
+def test_intent_stats_hold_each_example_out() -> None:
+    a, b, c = np.eye(3)[0], np.array([0.6, 0.8, 0.0]), np.eye(3)[2]
+    stats = IntentStats.of(np.stack([a, b, c]), [(0, 2), (2, 3)])
+    assert stats.mean[0] == pytest.approx(0.6)  # each of the two against the other
+    assert stats.spread[0] == pytest.approx(IntentStats.floor)  # no spread: the floor
+    assert (stats.mean[1], stats.spread[1]) == pytest.approx((1.0, IntentStats.floor))  # one row: nothing held out
+
+
+def _score_model(bar: float = 0.5) -> IntentModel:
+    """A hand-made model over hashing vectors: likely when the prototype's cosine passes 0.2."""
+    return IntentModel(((FEATURES.index("score"), 0.2, -3.0, 3.0),), 0.0, bar, "hashing")
+
+
+def test_the_learned_decision_takes_the_likeliest_intent_if_sure_enough() -> None:
+    index = IntentIndex(INTENTS, HashingEmbedder(), cache_size=0, scoring="centroid", model=_score_model())
+    assert (index.decision, index.confidence) == ("learned", 0.5)
+    sure = index.classify("translate the sentence into spanish")
+    assert sure.intent is not None and sure.intent.name == "translation" and sure.probability is not None
+    assert sure.probability > 0.9 and sure.score > sure.runner_up
+    unsure = index.classify("a haiku about autumn leaves")
+    assert unsure.intent is None and unsure.probability is not None and unsure.probability < 0.5
+    picky = IntentIndex(INTENTS, HashingEmbedder(), cache_size=0, scoring="centroid", model=_score_model(),
+                        confidence=0.999)
+    assert picky.classify("translate the sentence into spanish").intent is None  # confidence overrides the bar
+
+
+def test_which_decision_an_index_takes() -> None:
+    hashing = IntentIndex(INTENTS, HashingEmbedder())
+    assert (hashing.decision, hashing.model, hashing.confidence) == ("threshold", None, None)
+    assert IntentIndex(INTENTS, HashingEmbedder(), scoring="centroid", model=_score_model(),
+                       threshold=0.3).decision == "threshold"  # an explicit threshold is the threshold decision's
+    with pytest.raises(ValueError, match="trained on the multilingual embedder"):
+        IntentIndex(INTENTS, HashingEmbedder(), scoring="centroid", decision="learned")
+    with pytest.raises(ValueError, match="centroid scoring"):
+        IntentIndex(INTENTS, HashingEmbedder(), scoring="nearest", model=_score_model(), decision="learned")
+
+
+def test_an_intent_model_round_trips_and_refuses_other_features(tmp_path: Path) -> None:
+    model = _score_model(0.42)
+    path = tmp_path / "model.json"
+    path.write_text(model.to_json(trained="today"))
+    assert IntentModel.load(path) == model
+    data = orjson.loads(path.read_bytes())
+    data["features"] = ["score"]
+    path.write_bytes(orjson.dumps(data))
+    with pytest.raises(ValueError, match="trained on"):
+        IntentModel.load(path)
+
+
+def test_the_shipped_routing_model_was_trained_apart_from_the_blind_sets() -> None:
+    data = orjson.loads(MODEL_PATH.read_bytes())
+    assert data["embedder"] == "multilingual" and tuple(data["features"]) == FEATURES
+    assert data["trained_on"] and not any("blind" in name or "routing_" in name for name in data["trained_on"])
+    validated = data["cross_validated"]
+    assert validated["by"] == "leave one writer out"
+    assert validated["accuracy_writers"] > validated["threshold_decision_writers"]  # why it is the default
+    assert 0 < data["threshold"] < 1 and len(data["stumps"]) >= 50
+
+
+def test_the_multilingual_embedder_takes_the_learned_decision_and_routes_in_other_languages() -> None:
+    index = IntentIndex(INTENTS, build_embedder("multilingual"), background=background_prompts())
+    assert index.decision == "learned" and index.model is not None
+    assert index.confidence == index.model.threshold
+    for text, expected in (("translate this paragraph into Spanish please", "translation"),
+                           ("integrate x^3 from 0 to 2", "math"),
+                           ("Übersetze den Satz ins Englische", "translation"),
+                           ("mon programme rust ne compile pas", "code")):
+        match = index.classify(text)
+        assert match.intent is not None and match.intent.name == expected, (text, match)
+    assert index.classify("tell me a joke about cats").intent is None
 
 
 def test_the_shipped_background_is_general_prompts_one_a_line() -> None:

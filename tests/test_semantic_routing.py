@@ -118,6 +118,15 @@ def test_a_large_body_is_analyzed_off_the_loop_then_classified() -> None:
     ({"intents": {**DOCUMENT["intents"], "embedder": {"kind": "remote"}}},
      "intents.embedder: a remote embedder needs url and model"),
     ({"intents": None}, "routes[0].intents: no `intents:` section"),
+    ({"intents": {**DOCUMENT["intents"], "decision": "learned"}},
+     "intents: decision: learned needs embedder kind multilingual"),
+    ({"intents": {**DOCUMENT["intents"], "confidence": 0.5}}, "confidence: only the learned decision has one"),
+    ({"intents": {**DOCUMENT["intents"], "embedder": {"kind": "multilingual"}, "threshold": 0.3, "confidence": 0.5}},
+     "confidence: only the learned decision has one"),
+    ({"intents": {**DOCUMENT["intents"], "embedder": {"kind": "multilingual"}, "decision": "learned",
+                  "threshold": 0.3}}, "threshold: the learned decision has none"),
+    ({"intents": {**DOCUMENT["intents"], "embedder": {"kind": "multilingual"}, "confidence": 1.5}},
+     "intents.confidence"),
 ])
 def test_config_errors_name_the_field(change: dict, message: str) -> None:
     document = {**DOCUMENT, **change}
@@ -223,6 +232,16 @@ async def test_without_an_index_every_request_takes_the_default_route() -> None:
 
 
 # -- explain -----------------------------------------------------------------------------------------
+
+def test_explain_shows_the_learned_decisions_probability() -> None:
+    document = {**DOCUMENT, "intents": {**DOCUMENT["intents"], "embedder": {"kind": "multilingual"}}}
+    config = parse_config(document, env={})
+    result = explain(config, body("auto", "fix the bug in my javascript function"))
+    semantic = result["intents"]
+    assert semantic["decision"] == "learned" and semantic["intent"] == "code"
+    assert semantic["probability"] >= semantic["confidence"] > 0
+    assert "intent 'code' is likeliest (probability" in result["decision"]["why"]
+
 
 def test_explain_shows_the_nearest_intent_and_why() -> None:
     config = parse_config(DOCUMENT, env={})

@@ -125,7 +125,8 @@ def _compile_intents(spec: IntentsSpec | None, models: dict[str, Model], env: An
                                r.description) for r in spec.routes)
     default = (spec.default.model, spec.default.pool or models[spec.default.model].pool.name)
     return Intents(embedder, key, spec.threshold, spec.margin, spec.top_k, spec.model_name, default, routes,
-                   spec.cache_size, spec.max_chars, spec.max_pending, spec.scoring, spec.background)
+                   spec.cache_size, spec.max_chars, spec.max_pending, spec.scoring, spec.background, spec.decision,
+                   spec.confidence)
 
 
 def _compile_tracing(spec: TracingSpec, env: Any) -> Tracing:

@@ -139,6 +139,8 @@ class Intents:
     max_pending: int
     scoring: Literal["centroid", "nearest"] | None = None  # None: the embedder's (routing.intents.scoring_for)
     background: bool = True  # compare with general prompts (centroid scoring)
+    decision: Literal["learned", "threshold"] | None = None  # None: learned where the shipped model applies
+    confidence: float | None = None  # the learned decision's bar (None: the model's)
 
 
 @dataclass(frozen=True, slots=True)

@@ -555,12 +555,20 @@ class DefaultRouteSpec(_Strict):
 
 class IntentsSpec(_Strict):
     """Semantic routing: for ``model_name`` (``auto``), or a rule with ``intents: true``, the last
-    user turn is matched to the nearest intent (its examples' prototype) by cosine similarity of
-    embeddings; it must reach ``threshold`` (default: the embedder's) and beat the runner-up intent by
-    ``margin``, else the default route (the rule's model, for a rule). ``llmgw route --calibrate``
-    estimates a config's accuracy and names intents that overlap."""
+    user turn is matched to an intent by cosine similarity of embeddings to its examples, else the
+    default route (the rule's model, for a rule). ``llmgw route --calibrate`` estimates a config's
+    accuracy and names intents that overlap.
+
+    ``decision: learned`` (the default with the multilingual embedder) weighs each intent's
+    similarities against the config's other intents, general traffic and the intent's own examples
+    with a shipped model, and takes the likeliest intent if its probability reaches ``confidence``
+    (default: the model's); ``threshold`` (the default with other embedders, or when ``threshold``
+    is set) takes the nearest intent if it reaches ``threshold`` (default: the embedder's) and beats
+    the runner-up by ``margin``."""
 
     embedder: EmbedderSpec = Field(default_factory=EmbedderSpec)
+    decision: Literal["learned", "threshold"] | None = None
+    confidence: Annotated[float, Field(gt=0, lt=1)] | None = None
     threshold: Annotated[float, Field(ge=-1, le=1)] | None = None
     margin: Annotated[float, Field(ge=0, le=2)] = 0.02
     # An intent's score: centroid, the similarity to the mean of its examples' vectors (its
@@ -579,6 +587,21 @@ class IntentsSpec(_Strict):
     max_chars: Annotated[int, Field(ge=16, le=100_000)] = 2000  # of the last user turn, embedded
     # Requests waiting for the embedder, per worker; past it they take the default route at once.
     max_pending: Annotated[int, Field(ge=1, le=100_000)] = 64
+
+    @model_validator(mode="after")
+    def _decision_fits(self) -> IntentsSpec:
+        learned = self.decision == "learned" or (self.decision is None and self.threshold is None
+                                                 and self.embedder.kind == "multilingual"
+                                                 and self.scoring in (None, "centroid"))
+        if self.decision == "learned" and (self.embedder.kind != "multilingual" or self.scoring == "nearest"):
+            raise ValueError("decision: learned needs embedder kind multilingual and centroid scoring "
+                             "(the shipped model was trained on them); use decision: threshold")
+        if self.decision == "learned" and self.threshold is not None:
+            raise ValueError("threshold: the learned decision has none (set confidence, or decision: threshold)")
+        if self.confidence is not None and not learned:
+            raise ValueError("confidence: only the learned decision has one (this config takes the threshold "
+                             "decision: set threshold and margin instead)")
+        return self
 
 
 class GatewaySpec(_Strict):

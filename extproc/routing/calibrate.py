@@ -2,10 +2,12 @@
 
 Cross-validation over the examples the user wrote: each example is held out in turn, its intent's
 prototype is rebuilt from the rest (and the description), and the example is classified as a new
-prompt would be, at the config's threshold and margin. The share classified right is the expected
-accuracy on in-domain prompts like the examples. An example that lands on another intent, or on
-the default route, says where the config is thin; two intents whose held-out examples land on each
-other, or whose prototypes are nearly the same vector, overlap, and are named.
+prompt would be, by the config's decision (the learned one reads each intent's spread with the
+held-out example in it; the threshold one, its threshold, margin and background). The share
+classified right is the expected accuracy on in-domain prompts like the examples. An example that
+lands on another intent, or on the default route, says where the config is thin; two intents whose
+held-out examples land on each other, or whose prototypes are nearly the same vector, overlap, and
+are named.
 
 Pure apart from the embedder: the vectors come from the index the gateway builds.
 """
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from extproc.routing.intents import IntentIndex, decide
+from extproc.routing.intents import IntentIndex
 
 # Prototypes at least this similar are reported as overlapping even when no held-out example
 # crossed over (the two intents' examples could describe one request).
@@ -42,6 +44,8 @@ class Calibration:
     scoring: str
     threshold: float
     margin: float
+    decision: str  # "learned" or "threshold"
+    confidence: float | None  # the learned decision's probability bar
     examples: int
     accuracy: float  # held-out examples classified as their own intent
     per_intent: dict[str, float]
@@ -76,8 +80,7 @@ def calibrate(index: IntentIndex) -> Calibration:
         for row in range(start, start + len(intent.examples)):  # the description is never held out
             held_out = vectors[row]
             rest = [vectors[s:e] if j != i else np.delete(vectors[s:e], row - s, 0) for j, (s, e) in enumerate(spans)]
-            scores = np.array([index.score_rows(held_out, rows) for rows in rest], dtype=np.float32)
-            match = decide(intents, scores, index.threshold, index.margin)
+            match = index.decide_rows(held_out, rest)
             total[intent.name] += 1
             if match.intent is None:
                 to_default += 1
@@ -96,7 +99,7 @@ def calibrate(index: IntentIndex) -> Calibration:
     overlaps.sort(key=lambda o: (-o.crossed, -o.cosine))
     count = sum(total.values())
     return Calibration(
-        index.embedder.name, index.scoring, index.threshold, index.margin, count,
+        index.embedder.name, index.scoring, index.threshold, index.margin, index.decision, index.confidence, count,
         round(sum(right.values()) / count, 4) if count else 0.0,
         {name: round(right[name] / total[name], 4) for name in names if total[name]},
         to_default, tuple(overlaps))

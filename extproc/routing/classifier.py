@@ -48,7 +48,8 @@ def build_index(intents: Intents) -> IntentIndex:
     return IntentIndex(routes, embedder, threshold=intents.threshold, margin=intents.margin,
                        cache_size=intents.cache_size, top_k=intents.top_k,
                        scoring=intents.scoring or scoring_for(embedder.name),
-                       background=background_prompts() if intents.background else ())
+                       background=background_prompts() if intents.background else (),
+                       decision=intents.decision, confidence=intents.confidence)
 
 
 class IntentClassifier:

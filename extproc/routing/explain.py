@@ -59,13 +59,19 @@ def explain(config: GatewayConfig, body: bytes, path: str = "/v1/chat/completion
         match = index.classify(text)
         if match.intent is not None:
             model, pool = match.intent.model, match.intent.pool
+        if match.probability is not None:  # the learned decision
+            why += f"; intent {match.best!r} is likeliest (probability {match.probability:.3f}, " \
+                   f"confidence {index.confidence:.3f}, similarity {match.score:.3f})" + \
+                   ("" if match.intent is not None else ": not sure enough, the default route")
+        elif match.intent is not None:
             why += f"; intent {match.intent.name!r} is nearest ({match.score:.3f} >= {index.threshold:.2f}, " \
                    f"{match.score - match.runner_up:.3f} over the runner-up)"
         else:
             why += f"; no intent is sure enough (nearest {match.best!r} at {match.score:.3f}, threshold " \
                    f"{index.threshold:.2f}, margin {index.margin:.2f} over {match.runner_up:.3f}): the default route"
         semantic = {"embedder": index.embedder.name, "text": text, "nearest": match.best, "score": match.score,
-                    "runner_up": match.runner_up, "threshold": index.threshold, "margin": index.margin,
+                    "runner_up": match.runner_up, "decision": index.decision, "probability": match.probability,
+                    "confidence": index.confidence, "threshold": index.threshold, "margin": index.margin,
                     "intent": match.intent.name if match.intent is not None else "default"}
     block_chars, max_blocks = config.prefix_blocks
     return {

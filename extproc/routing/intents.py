@@ -13,22 +13,35 @@ against 89.9%). The best intent wins if its score reaches the threshold and beat
 intent's by the margin, and (centroid scoring, ``background``) the prompt is not more like general
 traffic than like that intent; otherwise there is no intent and the caller routes to its default (a
 prompt between two intents is as uncertain as one near none).
+
+That is the ``threshold`` decision. The ``learned`` one (the default with the multilingual embedder,
+``intent_model.json``) reads the same similarities relative to the config: for each intent, the
+prompt's similarity to its prototype and to its nearest example, how far above the other intents
+and the background, and how it compares with the intent's own examples held out one at a time
+(``IntentStats``: a tight intent needs more than a loose one). Boosted stumps
+(``extproc.stumps``) turn those into the probability that the prompt is that intent's; the likeliest
+intent wins if its probability reaches the model's bar (``confidence`` overrides it). The model was
+trained by ``python -m bench.train_routing`` on configs written apart from this code
+(``bench/data/routing_train/``), never on the blind ones, so it learned how a user's own small
+config behaves rather than one config's thresholds.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import math
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
 from extproc.routing.embedders import Embedder
+from extproc.stumps import Stump, Stumps
 
 DEFAULT_MARGIN = 0.02
 # The background (centroid scoring): general prompts (background.txt) whose cosine to every
@@ -42,6 +55,11 @@ BACKGROUND_CLEAN = 0.3
 BACKGROUND_K = 3
 BACKGROUND_MARGIN = -0.1
 Scoring = Literal["centroid", "nearest"]
+Decision = Literal["learned", "threshold"]
+MODEL_PATH = Path(__file__).with_name("intent_model.json")
+# What the learned decision reads of one (prompt, intent), in this order (``intent_features``).
+FEATURES = ("score", "nearest", "over_runner_up", "over_mean", "over_background", "self_z", "rank", "intents")
+NO_BACKGROUND = -1.0  # the background score when there is none (fewer than BACKGROUND_K prompts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +81,105 @@ class IntentMatch:
     score: float  # the best intent's score: cosine similarity to its prototype (or nearest examples)
     runner_up: float  # the same for the next-best intent (-1.0 with a single intent)
     best: str  # the best intent's name, even when refused ("" without intents)
+    probability: float | None = None  # the learned decision's, for the best intent (None: threshold decision)
+
+
+@dataclass(frozen=True, slots=True)
+class IntentStats:
+    """How an intent's own examples sit around its prototype, each held out in turn: the mean and
+    spread (at least ``floor``) of their similarity to the prototype of the rest."""
+
+    mean: np.ndarray  # (intents,)
+    spread: np.ndarray  # (intents,)
+
+    floor = 0.02  # an intent of near-identical examples must not make every gap look huge
+
+    @classmethod
+    def of(cls, vectors: np.ndarray, spans: Sequence[tuple[int, int]]) -> IntentStats:
+        """The stats of each intent's rows (``vectors[start:end]``)."""
+        means, spreads = [], []
+        for start, end in spans:
+            rows = vectors[start:end]
+            held = [float(rows[k] @ prototype(np.delete(rows, k, 0))) for k in range(len(rows))] \
+                if len(rows) > 1 else [1.0]
+            means.append(float(np.mean(held)))
+            spreads.append(float(np.std(held)) + cls.floor)
+        return cls(np.array(means), np.array(spreads))
+
+
+def intent_features(scores: np.ndarray, nearest: np.ndarray, background: np.ndarray,
+                    stats: IntentStats) -> np.ndarray:
+    """(texts, intents, len(FEATURES)): what the learned decision reads, from each text's
+    ``scores`` (cosine to each prototype), ``nearest`` (to each intent's nearest example), both
+    (texts, intents), and ``background`` (texts,)."""
+    texts, count = scores.shape
+    others = np.where(np.eye(count, dtype=bool)[None], -np.inf, scores[:, None, :])  # [t, i, j]: j != i
+    runner_up = others.max(axis=2) if count > 1 else np.full((texts, count), -1.0)
+    mean_other = (scores.sum(axis=1, keepdims=True) - scores) / max(1, count - 1)
+    rank = np.argsort(np.argsort(-scores, axis=1, kind="stable"), axis=1, kind="stable")
+    return np.stack([scores, nearest, scores - runner_up, scores - mean_other, scores - background[:, None],
+                     (scores - stats.mean) / stats.spread, rank.astype(float),
+                     np.full((texts, count), float(count))], axis=2)
+
+
+@dataclass(frozen=True, slots=True)
+class IntentModel:
+    """The learned decision: stumps over ``FEATURES``, and the probability the likeliest intent
+    must reach (``threshold``), for vectors of ``embedder`` with centroid scoring."""
+
+    stumps: tuple[Stump, ...]
+    bias: float
+    threshold: float
+    embedder: str
+    _model: Stumps = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_model", Stumps(self.stumps, self.bias))
+
+    def probabilities(self, features: np.ndarray) -> np.ndarray:
+        """(texts, intents) probabilities from ``intent_features``' output."""
+        texts, count, width = features.shape
+        return self._model.probability(features.reshape(texts * count, width)).reshape(texts, count)
+
+    def to_json(self, **about: object) -> str:
+        """The model as ``MODEL_PATH`` keeps it, with ``about`` (how it was trained and measured)."""
+        return json.dumps({"features": FEATURES, "embedder": self.embedder, "threshold": self.threshold, **about,
+                           "bias": self.bias, "stumps": [list(s) for s in self.stumps]}, indent=1) + "\n"
+
+    @classmethod
+    def load(cls, path: Path = MODEL_PATH) -> IntentModel:
+        """The shipped model (``ValueError`` if it was trained on other features)."""
+        data = json.loads(path.read_text())
+        if tuple(data["features"]) != FEATURES:
+            raise ValueError(f"{path}: trained on {data['features']}, not {list(FEATURES)}")
+        return cls(tuple((int(j), float(t), float(lo), float(hi)) for j, t, lo, hi in data["stumps"]),
+                   float(data["bias"]), float(data["threshold"]), str(data["embedder"]))
+
+
+@functools.cache
+def shipped_model() -> IntentModel:
+    """``intent_model.json``, read once."""
+    return IntentModel.load()
+
+
+def learned_decision_for(embedder: str, scoring: Scoring) -> bool:
+    """Whether the shipped model applies: it was trained on this embedder's vectors, centroid scoring."""
+    return scoring == "centroid" and MODEL_PATH.is_file() and shipped_model().embedder == embedder
+
+
+def decide_learned(intents: Sequence[Intent], scores: np.ndarray, probabilities: np.ndarray,
+                   threshold: float) -> IntentMatch:
+    """The match for one prompt from its per-intent ``scores`` and the model's ``probabilities``."""
+    if len(intents) == 0:
+        return IntentMatch(None, 0.0, -1.0, "")
+    # The likeliest intent; of equal probabilities (a stump model's are steps), the most similar one,
+    # then the one listed first.
+    first = int(np.lexsort((-scores, -probabilities))[0])
+    others = np.delete(scores, first)
+    top, probability = float(scores[first]), float(probabilities[first])
+    return IntentMatch(intents[first] if probability >= threshold else None, round(top, 4),
+                       round(float(others.max()), 4) if len(others) else -1.0, intents[first].name,
+                       round(probability, 4))
 
 
 def decide(intents: Sequence[Intent], scores: np.ndarray, threshold: float, margin: float,
@@ -88,7 +205,8 @@ class IntentIndex:
 
     def __init__(self, intents: Sequence[Intent], embedder: Embedder, threshold: float | None = None,
                  margin: float = DEFAULT_MARGIN, cache_size: int = 4096, top_k: int = 1,
-                 scoring: Scoring | None = None, background: Sequence[str] = ()) -> None:
+                 scoring: Scoring | None = None, background: Sequence[str] = (), decision: Decision | None = None,
+                 confidence: float | None = None, model: IntentModel | None = None) -> None:
         self.intents = tuple(intents)
         for intent in self.intents:
             if not intent.examples:
@@ -101,6 +219,18 @@ class IntentIndex:
         self.cache_size = cache_size
         self.top_k = top_k
         self.scoring: Scoring = scoring or scoring_for(embedder.name)
+        if decision is None:  # an explicit threshold is the threshold decision's
+            decision = "learned" if threshold is None and (model is not None or learned_decision_for(
+                embedder.name, self.scoring)) else "threshold"
+        self.decision: Decision = decision
+        self.model: IntentModel | None = None
+        if decision == "learned":
+            self.model = model or shipped_model()
+            if self.scoring != "centroid" or self.model.embedder != embedder.name:
+                raise ValueError(f"the learned decision was trained on the {self.model.embedder} embedder's vectors "
+                                 f"with centroid scoring, not {embedder.name}'s with {self.scoring}: "
+                                 "use decision: threshold")
+        self.confidence = confidence if confidence is not None else self.model.threshold if self.model else None
         texts = [text for intent in self.intents for text in _texts(intent)]
         self._vectors = embedder.embed(texts) if texts else np.zeros((0, 0), dtype=np.float32)
         ends = np.cumsum([len(_texts(intent)) for intent in self.intents])
@@ -109,6 +239,7 @@ class IntentIndex:
         self._prototypes = np.stack([prototype(self._vectors[start:end]) for start, end in self._spans]) \
             if self.intents else np.zeros((0, 0), dtype=np.float32)
         self._background = self._general(background)
+        self._stats = IntentStats.of(self._vectors, self._spans) if self.model is not None and self.intents else None
         self._cache: OrderedDict[str, IntentMatch] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -168,6 +299,38 @@ class IntentIndex:
         return np.stack([np.sort(similarity[:, start:end], axis=1)[:, -self.top_k:].mean(axis=1)
                          for start, end in self._spans], axis=1)
 
+    def features(self, vectors: np.ndarray) -> np.ndarray:
+        """(texts, intents, len(FEATURES)): what the learned decision reads of each vector (unit rows)."""
+        stats = self._stats or IntentStats.of(self._vectors, self._spans)
+        similarity = vectors @ self._vectors.T  # (texts, examples)
+        nearest = np.stack([similarity[:, start:end].max(axis=1) for start, end in self._spans], axis=1)
+        general = self._background_scores(vectors)
+        return intent_features(vectors @ self._prototypes.T, nearest,
+                               np.where(np.isfinite(general), general, NO_BACKGROUND), stats)
+
+    def decide_rows(self, vector: np.ndarray, rows: Sequence[np.ndarray]) -> IntentMatch:
+        """``vector``'s match, by the index's decision, were each intent made of ``rows[i]`` (unit
+        vectors) instead of its own: ``llmgw route --calibrate`` holds examples out so."""
+        scores = np.array([self.score_rows(vector, r) for r in rows], dtype=np.float32)
+        general = float(self._background_scores(vector[None])[0])
+        if self.model is None or self.confidence is None or self._stats is None:
+            return decide(self.intents, scores, self.threshold, self.margin, general, BACKGROUND_MARGIN)
+        nearest = np.array([float((r @ vector).max()) if len(r) else -1.0 for r in rows])
+        features = intent_features(scores[None], nearest[None],
+                                   np.array([general if math.isfinite(general) else NO_BACKGROUND]), self._stats)
+        return decide_learned(self.intents, scores, self.model.probabilities(features)[0], self.confidence)
+
+    def _decide(self, vectors: np.ndarray) -> list[IntentMatch]:
+        """The match of each vector, by the index's decision."""
+        scores = self._scores(vectors)
+        if self.model is not None and self.confidence is not None:
+            probabilities = self.model.probabilities(self.features(vectors))
+            return [decide_learned(self.intents, row, chances, self.confidence)
+                    for row, chances in zip(scores, probabilities, strict=True)]
+        general = self._background_scores(vectors)
+        return [decide(self.intents, row, self.threshold, self.margin, float(bg), BACKGROUND_MARGIN)
+                for row, bg in zip(scores, general, strict=True)]
+
     def lookup(self, text: str) -> IntentMatch | None:
         """The cached match of ``text``, or None (then ``classify`` must embed it)."""
         with self._lock:
@@ -193,10 +356,7 @@ class IntentIndex:
         if missing and not self.intents:
             found.update({text: IntentMatch(None, 0.0, -1.0, "") for text in missing})
         elif missing:
-            vectors = self.embedder.embed(missing)
-            scores, general = self._scores(vectors), self._background_scores(vectors)
-            fresh = {text: decide(self.intents, row, self.threshold, self.margin, float(bg), BACKGROUND_MARGIN)
-                     for text, row, bg in zip(missing, scores, general, strict=True)}
+            fresh = dict(zip(missing, self._decide(self.embedder.embed(missing)), strict=True))
             found.update(fresh)
             self._remember(fresh)
         return [found[text] for text in texts]
