@@ -95,7 +95,7 @@ def build_cache(config: GatewayConfig) -> ResponseCache | None:
 def build_ledger(config: GatewayConfig) -> LedgerSink | None:
     """The Redis Stream ledger with ``redis_url``, else the node's JSON-lines file, else none (said loudly)."""
     if config.redis_url is not None:
-        return RedisLedger.from_url(config.redis_url)
+        return RedisLedger.from_url(config.redis_url, replicas=config.ledger.replicas, wait_ms=config.ledger.wait_ms)
     path = os.environ.get(LEDGER_PATH_ENV)
     if path is None:
         log.warning("no redis_url nor %s: the usage ledger is off", LEDGER_PATH_ENV)

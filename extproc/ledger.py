@@ -7,6 +7,12 @@ whose reply timed out is sent again, so readers (``totals``, ``llmgw usage``) co
 ``id`` (the gateway's id of the request, unique per request whatever the client sends as
 its request id) once. Without Redis, records are appended as
 JSON lines to a file the node's workers share (``O_APPEND`` keeps each line whole).
+
+Redis replicates asynchronously: when the stream's primary dies, the replica taking over may lack
+the last appends it acknowledged. With ``ledger.replicas`` > 0 each append is followed, on the
+same connection, by ``WAIT replicas wait_ms``: a record counts as written only once that many
+replicas have it, and stays buffered (sent again, with a growing pause while replicas lag) until
+then, so a failover loses none.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import orjson
 from redis import asyncio as aioredis
@@ -100,25 +106,47 @@ class FileLedger:
         os.close(self._fd)
 
 
+class NotReplicated(Exception):
+    """Fewer replicas than asked for acknowledged an append within ``wait_ms``."""
+
+
+class Replicated(Protocol):
+    """A connection that sends commands together (``extproc.quota.cluster.pipelined``)."""
+
+    async def calls(self, commands: list[tuple[str | int | bytes, ...]], *, key: str | bytes) -> list[Any]: ...
+
+    async def close(self) -> None: ...
+
+
 class RedisLedger:
-    """``XADD`` to a Redis Stream, with a bounded buffer while Redis is away."""
+    """``XADD`` to a Redis Stream, with a bounded buffer while Redis is away (or, with
+    ``replicas``, until replicas have each record)."""
 
     def __init__(self, client: aioredis.Redis, stream: str = STREAM, buffer_limit: int = BUFFER_LIMIT,
-                 flush_interval_s: float = FLUSH_INTERVAL_S) -> None:
+                 flush_interval_s: float = FLUSH_INTERVAL_S, replicas: int = 0, wait_ms: int = 100,
+                 durable: Replicated | None = None) -> None:
+        if replicas and durable is None:
+            raise ValueError("replicas needs a connection to send XADD and WAIT together on")
         self._client = client
         self.stream = stream
         self._buffer: deque[bytes] = deque()
         self._limit = buffer_limit
         self._interval = flush_interval_s
         self._flusher: asyncio.Task[None] | None = None
+        self.replicas, self.wait_ms = replicas, wait_ms
+        self._durable = durable if replicas else None
         self.dropped = 0  # records lost to a full buffer (a metric; zero unless an outage outlasts it)
+        self.unreplicated = 0  # appends that fewer than ``replicas`` replicas acknowledged in time (kept, sent again)
 
     @classmethod
-    def from_url(cls, url: str, **options: object) -> RedisLedger:
+    def from_url(cls, url: str, *, replicas: int = 0, wait_ms: int = 100, buffer_limit: int = BUFFER_LIMIT,
+                 flush_interval_s: float = FLUSH_INTERVAL_S) -> RedisLedger:
         """A ledger on a new client with short timeouts (an append must never stall a request)."""
-        from extproc.quota.cluster import client
+        from extproc.quota.cluster import client, pipelined
 
-        return cls(client(url, socket_timeout=0.5, socket_connect_timeout=0.5), **options)  # type: ignore[arg-type]
+        durable = pipelined(url, timeout_s=wait_ms / 1000 + 0.5) if replicas else None
+        return cls(client(url, socket_timeout=0.5, socket_connect_timeout=0.5), buffer_limit=buffer_limit,
+                   flush_interval_s=flush_interval_s, replicas=replicas, wait_ms=wait_ms, durable=durable)
 
     @property
     def buffered(self) -> int:
@@ -130,9 +158,13 @@ class RedisLedger:
         data = record.to_json()
         if not self._buffer:
             try:
-                await self._client.xadd(self.stream, {"r": data})
+                await self._write([data])
                 return
-            except (RedisConnectionError, RedisTimeoutError, OSError) as error:
+            except NotReplicated as error:
+                self.unreplicated += 1
+                if self.unreplicated == 1 or self.unreplicated % 1000 == 0:
+                    log.warning("usage ledger: %s; keeping the record to send again", error)
+            except (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError) as error:
                 log.error("usage ledger: Redis unreachable (%s); buffering records", error)
         self._keep(data)
         if self._flusher is None or self._flusher.done():
@@ -147,32 +179,56 @@ class RedisLedger:
         self._buffer.append(data)
 
     async def _flush_until_empty(self) -> None:
+        pause = self._interval
         while self._buffer:
             try:
                 await self.flush()
-            except (RedisConnectionError, RedisTimeoutError, OSError):
+            except (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError):
                 await asyncio.sleep(self._interval)
+            except NotReplicated:  # each try writes the batch again: pause longer while replicas lag
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 30 * self._interval)
         log.warning("usage ledger: Redis is back; buffered records flushed")
 
     async def flush(self) -> None:
-        """Send buffered records in order, in pipelined batches; raises while Redis is down."""
+        """Send buffered records in order, in pipelined batches; raises while Redis is down (or
+        ``NotReplicated`` while replicas lag)."""
         while self._buffer:
             batch = list(self._buffer)[:500]
+            await self._write(batch)
+            for _ in batch:
+                self._buffer.popleft()
+
+    async def _write(self, batch: list[bytes]) -> None:
+        """``XADD`` each record; with ``replicas``, then ``WAIT`` for them on the same connection."""
+        if self._durable is None:
+            if len(batch) == 1:
+                await self._client.xadd(self.stream, {"r": batch[0]})
+                return
             async with self._client.pipeline(transaction=False) as pipe:
                 for data in batch:
                     pipe.xadd(self.stream, {"r": data})
                 await pipe.execute()
-            for _ in batch:
-                self._buffer.popleft()
+            return
+        commands: list[tuple[str | int | bytes, ...]] = [("XADD", self.stream, "*", "r", data) for data in batch]
+        replies = await self._durable.calls([*commands, ("WAIT", self.replicas, self.wait_ms)], key=self.stream)
+        failed = next((r for r in replies if isinstance(r, Exception)), None)
+        if failed is not None:
+            raise ConnectionError(f"redis: {failed}")
+        if int(replies[-1]) < self.replicas:
+            raise NotReplicated(f"{replies[-1]} of {self.replicas} replicas acknowledged within {self.wait_ms} ms")
 
     async def close(self) -> None:
         """Try a last flush, then close the client."""
         if self._flusher is not None:
             self._flusher.cancel()
-        with contextlib.suppress(RedisConnectionError, RedisTimeoutError, OSError):
+        with contextlib.suppress(RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError,
+                                 NotReplicated):
             await self.flush()
         if self._buffer:
             log.error("usage ledger: %d records could not be written before shutdown", len(self._buffer))
+        if self._durable is not None:
+            await self._durable.close()
         await self._client.aclose()
 
 

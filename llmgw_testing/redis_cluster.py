@@ -111,6 +111,14 @@ class RedisCluster:
                 return next(node for node in self.nodes if node.port == int(primary[1]))
         raise LookupError(slot)
 
+    def replicas_of(self, primary: RedisServer) -> list[RedisServer]:
+        """The nodes replicating ``primary`` now (by ``primary``'s own ``CLUSTER NODES``)."""
+        lines = [line.split() for line in self._nodes_of(primary)]
+        mine = next(fields[0] for fields in lines if "myself" in fields[2])
+        ports = {int(fields[1].split("@")[0].rpartition(":")[2]) for fields in lines
+                 if fields[3] == mine and "fail" not in fields[2]}
+        return [node for node in self.nodes if node.port in ports]
+
     @staticmethod
     def _wait(check: object, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -13,8 +17,9 @@ import pytest
 
 from extproc.accounting import REJECTED, SERVED, RequestRecord, ResponseFacts, Usage, build_record, rejection
 from extproc.launcher import free_port
-from extproc.ledger import FileLedger, RedisLedger, UsageRecord, ledger_record, read_file, totals
+from extproc.ledger import FileLedger, RedisLedger, UsageRecord, ledger_record, read_file, read_stream, totals
 from extproc.pricing import Prices
+from llmgw_testing.redis_server import RedisServer, redis_binary
 from tests.helpers import make_decision
 
 START = 1_700_000_000_000_000_000  # epoch ns: the request headers reached the gateway
@@ -92,6 +97,52 @@ async def test_redis_ledger_buffers_while_redis_is_away_and_bounds_the_buffer() 
         await ledger.append(record)  # never raises for an outage
     assert ledger.buffered == 3 and ledger.dropped == 2  # the two oldest went, loudly
     await ledger.close()
+
+
+async def test_with_replicas_a_record_counts_as_written_once_a_replica_has_it(tmp_path: Path) -> None:
+    # One Redis and its replica; the replica paused (SIGSTOP) acknowledges nothing: the appends
+    # stay buffered, are sent again with a growing pause, and leave the buffer once it resumes.
+    binary = redis_binary()
+    assert binary is not None
+    primary = RedisServer(binary, tmp_path / "primary")
+    replica = RedisServer(binary, tmp_path / "replica")
+    for server in (primary, replica):
+        server.workdir.mkdir()
+    primary.start()
+    replica.extra_args = ("--replicaof", "127.0.0.1", str(primary.port))
+    replica.start()
+    ledger = RedisLedger.from_url(primary.url, replicas=1, wait_ms=50, flush_interval_s=0.02)
+    try:
+        deadline = time.monotonic() + 10
+        while await ledger._client.execute_command("WAIT", 1, 10) < 1:  # the replica has synced
+            assert time.monotonic() < deadline
+        before = [ledger_record(_served(f"a{i}", "t", Prices())) for i in range(3)]
+        for record in before:
+            await ledger.append(record)
+        assert (ledger.buffered, ledger.unreplicated) == (0, 0)
+        assert replica.proc is not None
+        os.kill(replica.proc.pid, signal.SIGSTOP)
+        try:
+            paused = [ledger_record(_served(f"b{i}", "t", Prices())) for i in range(3)]
+            for record in paused:
+                await ledger.append(record)
+            assert ledger.buffered == 3 and ledger.unreplicated >= 1
+        finally:
+            os.kill(replica.proc.pid, signal.SIGCONT)
+        while ledger.buffered:
+            assert time.monotonic() < deadline + 20, ledger.buffered
+            await asyncio.sleep(0.02)
+        stored = await asyncio.to_thread(lambda: [r.id for r in read_stream(replica.url)])  # read on the replica
+        assert {r.id for r in before + paused} <= set(stored)
+    finally:
+        await ledger.close()
+        replica.stop()
+        primary.stop()
+
+
+def test_replicas_need_a_connection_to_wait_on() -> None:
+    with pytest.raises(ValueError, match="XADD and WAIT together"):
+        RedisLedger(None, replicas=1)  # type: ignore[arg-type]
 
 
 def test_llmgw_usage_formats(tmp_path: Path) -> None:

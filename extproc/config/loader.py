@@ -90,7 +90,7 @@ def compile_spec(spec: GatewaySpec, *, env: dict[str, str] | os._Environ[str]) -
                          _compile_tracing(spec.tracing, env), _compile_rules(spec, by_name), spec.endpoint_picker,
                          _compile_intents(spec.intents, by_name, env),
                          {r.name: r.cache for r in spec.routes if r.cache is not None}, spec.response_cache,
-                         spec.breakers)
+                         spec.breakers, spec.ledger)
 
 
 def _compile_rules(spec: GatewaySpec, models: dict[str, Model]) -> tuple[Rule, ...]:

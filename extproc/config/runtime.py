@@ -23,6 +23,7 @@ from extproc.config.schema import (
     EndpointPickerSpec,
     HealthSpec,
     KeysSpec,
+    LedgerSpec,
     PickerSpec,
     QuotaSpec,
     ResponseCacheSpec,
@@ -165,6 +166,7 @@ class GatewayConfig:
     route_caches: dict[str, CacheSpec] = field(default_factory=dict)  # routing rule name -> its cache
     response_cache: ResponseCacheSpec = field(default_factory=ResponseCacheSpec)
     breakers: BreakerSpec = field(default_factory=BreakerSpec)
+    ledger: LedgerSpec = field(default_factory=LedgerSpec)
 
     @property
     def caches(self) -> bool:

@@ -349,6 +349,17 @@ class KeysSpec(_Strict):
     max_stale_s: Annotated[float, Field(gt=0)] | None = None
 
 
+class LedgerSpec(_Strict):
+    """The usage ledger's Redis Stream. Redis replicates asynchronously: a failover of the stream's
+    primary can lose the appends its replica had not received yet. With ``replicas`` > 0 an append
+    counts as written only once that many replicas have it (Redis ``WAIT``, up to ``wait_ms``);
+    until then it stays buffered and is sent again (a record sent twice is counted once by
+    readers), so a failover loses none. 0: the primary's acknowledgement is enough."""
+
+    replicas: Annotated[int, Field(ge=0, le=16)] = 0
+    wait_ms: Annotated[int, Field(ge=1, le=10_000)] = 100
+
+
 class TenantSpec(_Strict):
     """A tenant: who its API keys belong to, the QoS classes it may use and tags for accounting."""
 
@@ -618,6 +629,7 @@ class GatewaySpec(_Strict):
     tenants: list[TenantSpec] = Field(default_factory=list)
     quota: QuotaSpec = Field(default_factory=QuotaSpec)
     keys: KeysSpec = Field(default_factory=KeysSpec)
+    ledger: LedgerSpec = Field(default_factory=LedgerSpec)
     tracing: TracingSpec = Field(default_factory=TracingSpec)
     # Ordered routing rules, first match wins; none matching: the requested model in its own pool.
     routes: list[RouteSpec] = Field(default_factory=list)

@@ -179,22 +179,7 @@ class ClusterConnection:
             try:
                 return await connection.call(*args, later=later, asking=asking is not None)
             except RedisReplyError as error:
-                kind, _, rest = str(error).partition(" ")
-                if kind in ("MOVED", "ASK"):
-                    self.redirections += 1
-                    target = _address(rest)
-                    if kind == "MOVED":
-                        self._slots[slot], asking = target, None
-                        self._refresh_soon()
-                    else:
-                        asking = target
-                    continue
-                if kind == "TRYAGAIN":
-                    await asyncio.sleep(TRYAGAIN_S)
-                    continue
-                if kind == "CLUSTERDOWN":
-                    raise ConnectionError(f"redis cluster: {error}") from error
-                raise
+                asking = await self._redirected(error, slot)
             except (ConnectionError, TimeoutError, OSError):
                 # The node is gone or hung: a failover may have given its slots to a replica.
                 if failed_over:
@@ -202,6 +187,53 @@ class ClusterConnection:
                 failed_over, asking = True, None
                 await self.refresh(forget=address)
         raise ConnectionError(f"redis cluster: more than {MAX_REDIRECTIONS} redirections for slot {slot}")
+
+    async def calls(self, commands: list[tuple[str | int | bytes, ...]], *, key: str | bytes) -> list[Any]:
+        """Send ``commands`` together on the connection to ``key``'s primary (see
+        ``PipelinedConnection.calls``). A redirection answering the first command sends them all
+        again where it points; a node that does not answer, once more after the map is re-read."""
+        slot = _slot(key)
+        asking: tuple[str, int] | None = None
+        failed_over = False
+        for _ in range(MAX_REDIRECTIONS + 1):
+            address = asking or self._slots[slot]
+            if address is None:
+                await self.refresh()
+                address = self._slots[slot]
+                if address is None:
+                    raise ConnectionError(f"redis cluster: no node serves slot {slot}")
+            try:
+                replies = await self._node(address).calls(commands, asking=asking is not None)
+            except (ConnectionError, TimeoutError, OSError):
+                if failed_over:
+                    raise
+                failed_over, asking = True, None
+                await self.refresh(forget=address)
+                continue
+            if not isinstance(replies[0], RedisReplyError):
+                return replies
+            asking = await self._redirected(replies[0], slot)
+        raise ConnectionError(f"redis cluster: more than {MAX_REDIRECTIONS} redirections for slot {slot}")
+
+    async def _redirected(self, error: RedisReplyError, slot: int) -> tuple[str, int] | None:
+        """Where a command answered with ``error`` goes next: the node an ``ASK`` names (sent with
+        ``ASKING``), else None (the slot's owner, which a ``MOVED`` just changed; after a
+        ``TRYAGAIN``'s pause). Any other error is raised, ``CLUSTERDOWN`` as an outage."""
+        kind, _, rest = str(error).partition(" ")
+        if kind in ("MOVED", "ASK"):
+            self.redirections += 1
+            target = _address(rest)
+            if kind == "ASK":
+                return target
+            self._slots[slot] = target
+            self._refresh_soon()
+            return None
+        if kind == "TRYAGAIN":
+            await asyncio.sleep(TRYAGAIN_S)
+            return None
+        if kind == "CLUSTERDOWN":
+            raise ConnectionError(f"redis cluster: {error}") from error
+        raise error
 
     def owner(self, key: str | bytes) -> str:
         """``host:port`` of the primary serving ``key``'s slot as last known ("" before the map is read)."""

@@ -123,6 +123,12 @@ class _Protocol(asyncio.Protocol):
             self._transport.abort()  # connection_lost follows and fails the waiters
 
 
+def _consume(future: asyncio.Future[Any]) -> None:
+    """Read a reply nobody waits for (an ``ASKING``'s ``OK``), so that its error is not logged."""
+    if not future.cancelled():
+        future.exception()
+
+
 def _fail(future: asyncio.Future[Any], error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)
@@ -161,6 +167,32 @@ class PipelinedConnection:
         except TimeoutError:
             protocol.abort(TimeoutError(f"no reply within {self.timeout_s}s"))
             raise TimeoutError(f"redis: no reply within {self.timeout_s}s") from None
+
+    async def calls(self, commands: list[tuple[str | int | bytes, ...]], *, asking: bool = False,
+                    key: str | bytes | None = None) -> list[Any]:
+        """Send ``commands`` together, in order, on this one connection, and return their replies;
+        an error reply comes back as its ``RedisReplyError`` rather than raised (the commands
+        before it took effect). What must follow other commands on their own connection goes so:
+        ``WAIT`` counts the replicas that have this connection's writes. ``asking``: ``ASKING``
+        before each; ``key``: as ``call``'s."""
+        protocol = self._protocol
+        if protocol is None or protocol.lost is not None:
+            protocol = await self._connect()
+        futures = []
+        for args in commands:
+            if asking:
+                protocol.send(_pack(("ASKING",))).add_done_callback(_consume)
+            futures.append(protocol.send(_pack(args)))
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                replies = await asyncio.gather(*futures, return_exceptions=True)
+        except TimeoutError:
+            protocol.abort(TimeoutError(f"no reply within {self.timeout_s}s"))
+            raise TimeoutError(f"redis: no reply within {self.timeout_s}s") from None
+        for reply in replies:
+            if isinstance(reply, BaseException) and not isinstance(reply, RedisReplyError):
+                raise reply
+        return replies
 
     async def _connect(self) -> _Protocol:
         # One connection attempt at a time; the callers arriving meanwhile wait for the same one.

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import re
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,7 +19,7 @@ from redis.crc import key_slot
 from extproc.cache.store import RedisBackend
 from extproc.config import ConfigError, parse_config
 from extproc.keys import RedisKeyTable
-from extproc.ledger import RedisLedger, read_stream, unsettled_record
+from extproc.ledger import STREAM, RedisLedger, read_stream, unsettled_record
 from extproc.quota.cluster import ClusterConnection, ClusterUrl, parse_cluster, pipelined
 from extproc.quota.limits import Admission, Limits, Quota
 from extproc.quota.redis_store import RedisStore
@@ -209,3 +211,48 @@ async def test_a_limit_holds_across_a_failover_within_what_was_in_flight(replica
     finally:
         await store.close()
     assert limit <= admitted <= limit + in_flight, admitted
+
+
+@pytest.mark.timeout(120)
+async def test_the_ledger_keeps_unreplicated_records_across_a_failover_of_its_streams_primary(
+        tmp_path: Path) -> None:
+    # Two replicas for each primary: after the stream's primary is killed one takes over and the
+    # other replicates it, so WAIT 1 can be met again. Its replicas are paused (SIGSTOP) first:
+    # every append the primary acknowledges meanwhile has no replica, so the ledger must keep it.
+    binary = redis_binary()
+    assert binary is not None
+    cluster = RedisCluster(binary, tmp_path, masters=3, replicas=2, node_timeout_ms=1000)
+    try:
+        cluster.start()
+        ledger = RedisLedger.from_url(cluster.url, replicas=1, wait_ms=50, flush_interval_s=0.05)
+        first = [unsettled_record(make_decision()) for _ in range(10)]
+        for record in first:
+            await ledger.append(record)
+        assert (ledger.buffered, ledger.unreplicated) == (0, 0)  # every replica acknowledged in time
+        victim = cluster.primary_of(key_slot(STREAM.encode()))
+        deadline = time.monotonic() + 30
+        while len(paused := cluster.replicas_of(victim)) < 2:  # the primary learns its replicas by gossip
+            assert time.monotonic() < deadline, paused
+            await asyncio.sleep(0.05)
+        for node in paused:
+            assert node.proc is not None
+            os.kill(node.proc.pid, signal.SIGSTOP)
+        try:
+            unconfirmed = [unsettled_record(make_decision()) for _ in range(10)]
+            for record in unconfirmed:
+                await ledger.append(record)
+            assert ledger.buffered == 10 and ledger.unreplicated >= 1  # the primary has them; no replica does
+            victim.stop()
+        finally:
+            for node in paused:
+                assert node.proc is not None
+                os.kill(node.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while ledger.buffered:  # a replica takes over; the other follows it; the flusher sends again
+            assert time.monotonic() < deadline, f"{ledger.buffered} records still unconfirmed"
+            await asyncio.sleep(0.05)
+        stored = await asyncio.to_thread(lambda: {r.id for r in read_stream(cluster.url)})
+        assert {r.id for r in first + unconfirmed} <= stored
+        await ledger.close()
+    finally:
+        cluster.stop()

@@ -32,6 +32,18 @@ async def test_an_error_reply_fails_only_its_own_call(redis_server: RedisServer)
         await connection.close()
 
 
+async def test_calls_go_together_in_order_and_an_error_reply_comes_back_in_its_place(
+        redis_server: RedisServer) -> None:
+    connection = PipelinedConnection(redis_server.url)
+    key = f"calls-{time.monotonic_ns()}"
+    try:
+        replies = await connection.calls([("SET", key, "1"), ("NOSUCHCOMMAND",), ("INCR", key), ("WAIT", 0, 0)])
+        assert replies[0] == b"OK" and replies[2] == 2 and replies[3] == 0  # no replica: WAIT counts none
+        assert isinstance(replies[1], RedisReplyError)
+    finally:
+        await connection.close()
+
+
 async def test_deferred_calls_are_written_within_the_batch_interval(redis_server: RedisServer) -> None:
     connection = PipelinedConnection(redis_server.url, batch_s=0.05)
     try:
