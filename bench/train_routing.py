@@ -31,7 +31,7 @@ import yaml
 from rich.progress import Progress
 
 from bench.common import emit
-from extproc.routing.embedders import build_embedder
+from extproc.routing.embedders import Embedder, build_embedder
 from extproc.routing.intents import (
     FEATURES,
     MODEL_PATH,
@@ -88,15 +88,19 @@ class Compiled:
     baseline: float  # the threshold decision's accuracy
 
 
-def compile_config(config: Config, embedder_name: str, embedder: object) -> Compiled:
-    index = IntentIndex(config.intents, embedder, cache_size=0, background=background_prompts(),  # type: ignore[arg-type]
-                        scoring="centroid", decision="threshold")
-    vectors = index.embedder.embed(config.prompts)
+def compile_config(config: Config, embedder: Embedder, center: bool) -> Compiled:
+    """One config's rows, read through the index the gateway builds (``center``: on centred
+    vectors), and the threshold decision's accuracy on it (as the gateway runs it: not centred)."""
+    def index(centred: bool) -> IntentIndex:
+        return IntentIndex(config.intents, embedder, cache_size=0, background=background_prompts(),
+                           scoring="centroid", decision="threshold", center=centred)
+
+    learned, threshold = index(center), index(False)
     names = [i.name for i in config.intents]
     truth = np.array([[float(label == name) for name in names] for label in config.labels])
-    predicted = [m.intent.name if m.intent else NONE for m in index.classify_many(config.prompts)]
+    predicted = [m.intent.name if m.intent else NONE for m in threshold.classify_many(config.prompts)]
     baseline = float(np.mean([p == label for p, label in zip(predicted, config.labels, strict=True)]))
-    return Compiled(config, index.features(vectors), truth, baseline)
+    return Compiled(config, learned.features(learned.embed(config.prompts)), truth, baseline)
 
 
 def accuracy(probabilities: np.ndarray, compiled: Compiled, bar: float) -> float:
@@ -117,6 +121,8 @@ def fit(compiled: list[Compiled], rounds: int) -> tuple[tuple[tuple[int, float, 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.train_routing", description=__doc__.split("\n\n")[0])
     parser.add_argument("--embedder", default="multilingual")
+    parser.add_argument("--no-center", dest="center", action="store_false",
+                        help="train on the embedder's vectors as they are, not centred on general traffic's mean")
     parser.add_argument("--write", action="store_true", help=f"write {MODEL_PATH.name}")
     args = parser.parse_args(argv)
     embedder = build_embedder(args.embedder)
@@ -126,14 +132,14 @@ def main(argv: list[str] | None = None) -> None:
         task = progress.add_task("embedding configs", total=len(data))
         compiled = []
         for config in data:
-            compiled.append(compile_config(config, args.embedder, embedder))
+            compiled.append(compile_config(config, embedder, args.center))
             progress.advance(task)
         task = progress.add_task("cross-validating", total=len(ROUNDS) * len(writers))
         scores: dict[tuple[int, float], dict[str, float]] = {}  # (rounds, bar): config: held-out accuracy
         for rounds in ROUNDS:
             for writer in writers:
                 stumps, bias = fit([c for c in compiled if c.config.writer != writer], rounds)
-                model = IntentModel(stumps, bias, 0.5, args.embedder)
+                model = IntentModel(stumps, bias, 0.5, args.embedder, args.center)
                 for held in (c for c in compiled if c.config.writer == writer):
                     probabilities = model.probabilities(held.features)
                     for bar in BARS:
@@ -141,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
                 progress.advance(task)
     (rounds, bar), best = max(scores.items(), key=lambda item: (float(np.mean(list(item[1].values()))), -item[0][0]))
     stumps, bias = fit(compiled, rounds)
-    model = IntentModel(stumps, bias, bar, args.embedder)
+    model = IntentModel(stumps, bias, bar, args.embedder, args.center)
     writers_only = [c for c in compiled if c.config.writer != "own"]
 
     def mean(values: list[float]) -> float:
@@ -155,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
              "trained": datetime.date.today().isoformat()}
     if args.write:
         MODEL_PATH.write_text(model.to_json(**about))
-    emit("train_routing", {"bench": "train_routing", "embedder": args.embedder, "stumps": len(stumps),
+    emit("train_routing", {"bench": "train_routing", "embedder": args.embedder, "center": args.center,
+                           "stumps": len(stumps),
                            "threshold": bar, **about})
 
 

@@ -234,21 +234,25 @@ def test_intent_stats_hold_each_example_out() -> None:
     assert (stats.mean[1], stats.spread[1]) == pytest.approx((1.0, IntentStats.floor))  # one row: nothing held out
 
 
+GENERAL = ("what is the weather today", "tell me a joke", "how tall is the eiffel tower", "recommend a book")
+
+
 def _score_model(bar: float = 0.5) -> IntentModel:
     """A hand-made model over hashing vectors: likely when the prototype's cosine passes 0.2."""
     return IntentModel(((FEATURES.index("score"), 0.2, -3.0, 3.0),), 0.0, bar, "hashing")
 
 
 def test_the_learned_decision_takes_the_likeliest_intent_if_sure_enough() -> None:
-    index = IntentIndex(INTENTS, HashingEmbedder(), cache_size=0, scoring="centroid", model=_score_model())
-    assert (index.decision, index.confidence) == ("learned", 0.5)
+    index = IntentIndex(INTENTS, HashingEmbedder(), cache_size=0, scoring="centroid", model=_score_model(),
+                        background=GENERAL)
+    assert (index.decision, index.confidence) == ("learned", 0.5) and not index.centred
     sure = index.classify("translate the sentence into spanish")
     assert sure.intent is not None and sure.intent.name == "translation" and sure.probability is not None
     assert sure.probability > 0.9 and sure.score > sure.runner_up
     unsure = index.classify("a haiku about autumn leaves")
     assert unsure.intent is None and unsure.probability is not None and unsure.probability < 0.5
     picky = IntentIndex(INTENTS, HashingEmbedder(), cache_size=0, scoring="centroid", model=_score_model(),
-                        confidence=0.999)
+                        confidence=0.999, background=GENERAL)
     assert picky.classify("translate the sentence into spanish").intent is None  # confidence overrides the bar
 
 
@@ -263,8 +267,25 @@ def test_which_decision_an_index_takes() -> None:
         IntentIndex(INTENTS, HashingEmbedder(), scoring="nearest", model=_score_model(), decision="learned")
 
 
+def test_a_centred_index_takes_general_traffics_mean_from_every_vector() -> None:
+    general = list(GENERAL)
+    model = IntentModel(_score_model().stumps, 0.0, 0.5, "hashing", center=True)
+    index = IntentIndex(INTENTS, HashingEmbedder(), cache_size=0, scoring="centroid", model=model, background=general)
+    assert index.centred and index.decision == "learned"
+    raw = HashingEmbedder()
+    mean = raw.embed(general).mean(axis=0)
+    expected = raw.embed(["translate the letter"])[0] - mean
+    np.testing.assert_allclose(index.embed(["translate the letter"])[0], expected / np.linalg.norm(expected), atol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(index.vectors, axis=1), 1.0, atol=1e-5)
+    assert not IntentIndex(INTENTS, HashingEmbedder(), scoring="centroid", model=model, background=general,
+                           center=False).centred
+    with pytest.raises(ValueError, match="reads the background prompts"):
+        IntentIndex(INTENTS, HashingEmbedder(), scoring="centroid", model=model, decision="learned")
+    assert IntentIndex(INTENTS, HashingEmbedder(), scoring="centroid", model=model).decision == "threshold"
+
+
 def test_an_intent_model_round_trips_and_refuses_other_features(tmp_path: Path) -> None:
-    model = _score_model(0.42)
+    model = IntentModel(_score_model().stumps, 0.1, 0.42, "hashing", center=True)
     path = tmp_path / "model.json"
     path.write_text(model.to_json(trained="today"))
     assert IntentModel.load(path) == model
@@ -277,7 +298,7 @@ def test_an_intent_model_round_trips_and_refuses_other_features(tmp_path: Path) 
 
 def test_the_shipped_routing_model_was_trained_apart_from_the_blind_sets() -> None:
     data = orjson.loads(MODEL_PATH.read_bytes())
-    assert data["embedder"] == "multilingual" and tuple(data["features"]) == FEATURES
+    assert data["embedder"] == "multilingual" and tuple(data["features"]) == FEATURES and data["center"]
     assert data["trained_on"] and not any("blind" in name or "routing_" in name for name in data["trained_on"])
     validated = data["cross_validated"]
     assert validated["by"] == "leave one writer out"
@@ -287,7 +308,7 @@ def test_the_shipped_routing_model_was_trained_apart_from_the_blind_sets() -> No
 
 def test_the_multilingual_embedder_takes_the_learned_decision_and_routes_in_other_languages() -> None:
     index = IntentIndex(INTENTS, build_embedder("multilingual"), background=background_prompts())
-    assert index.decision == "learned" and index.model is not None
+    assert index.decision == "learned" and index.model is not None and index.centred
     assert index.confidence == index.model.threshold
     for text, expected in (("translate this paragraph into Spanish please", "translation"),
                            ("integrate x^3 from 0 to 2", "math"),

@@ -127,6 +127,8 @@ def test_a_large_body_is_analyzed_off_the_loop_then_classified() -> None:
                   "threshold": 0.3}}, "threshold: the learned decision has none"),
     ({"intents": {**DOCUMENT["intents"], "embedder": {"kind": "multilingual"}, "confidence": 1.5}},
      "intents.confidence"),
+    ({"intents": {**DOCUMENT["intents"], "embedder": {"kind": "multilingual"}, "decision": "learned",
+                  "background": False}}, "decision: learned needs embedder kind multilingual, centroid scoring and"),
 ])
 def test_config_errors_name_the_field(change: dict, message: str) -> None:
     document = {**DOCUMENT, **change}

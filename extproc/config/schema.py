@@ -570,12 +570,13 @@ class IntentsSpec(_Strict):
     default route (the rule's model, for a rule). ``llmgw route --calibrate`` estimates a config's
     accuracy and names intents that overlap.
 
-    ``decision: learned`` (the default with the multilingual embedder) weighs each intent's
-    similarities against the config's other intents, general traffic and the intent's own examples
-    with a shipped model, and takes the likeliest intent if its probability reaches ``confidence``
-    (default: the model's); ``threshold`` (the default with other embedders, or when ``threshold``
-    is set) takes the nearest intent if it reaches ``threshold`` (default: the embedder's) and beats
-    the runner-up by ``margin``."""
+    ``decision: learned`` (the default with the multilingual embedder) centres every vector on
+    general traffic's mean, weighs each intent's similarities against the config's other intents,
+    general traffic and the intent's own examples with a shipped model, and takes the likeliest
+    intent if its probability reaches ``confidence`` (default: the model's); ``threshold`` (the
+    default with other embedders, without the background, or when ``threshold`` is set) takes the
+    nearest intent if it reaches ``threshold`` (default: the embedder's) and beats the runner-up by
+    ``margin``."""
 
     embedder: EmbedderSpec = Field(default_factory=EmbedderSpec)
     decision: Literal["learned", "threshold"] | None = None
@@ -603,10 +604,11 @@ class IntentsSpec(_Strict):
     def _decision_fits(self) -> IntentsSpec:
         learned = self.decision == "learned" or (self.decision is None and self.threshold is None
                                                  and self.embedder.kind == "multilingual"
-                                                 and self.scoring in (None, "centroid"))
-        if self.decision == "learned" and (self.embedder.kind != "multilingual" or self.scoring == "nearest"):
-            raise ValueError("decision: learned needs embedder kind multilingual and centroid scoring "
-                             "(the shipped model was trained on them); use decision: threshold")
+                                                 and self.scoring in (None, "centroid") and self.background)
+        if self.decision == "learned" and (self.embedder.kind != "multilingual" or self.scoring == "nearest"
+                                           or not self.background):
+            raise ValueError("decision: learned needs embedder kind multilingual, centroid scoring and the "
+                             "background (the shipped model was trained with them); use decision: threshold")
         if self.decision == "learned" and self.threshold is not None:
             raise ValueError("threshold: the learned decision has none (set confidence, or decision: threshold)")
         if self.confidence is not None and not learned:

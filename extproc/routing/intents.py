@@ -15,12 +15,15 @@ traffic than like that intent; otherwise there is no intent and the caller route
 prompt between two intents is as uncertain as one near none).
 
 That is the ``threshold`` decision. The ``learned`` one (the default with the multilingual embedder,
-``intent_model.json``) reads the same similarities relative to the config: for each intent, the
-prompt's similarity to its prototype and to its nearest example, how far above the other intents
-and the background, and how it compares with the intent's own examples held out one at a time
-(``IntentStats``: a tight intent needs more than a loose one). Boosted stumps
-(``extproc.stumps``) turn those into the probability that the prompt is that intent's; the likeliest
-intent wins if its probability reaches the model's bar (``confidence`` overrides it). The model was
+``intent_model.json``) first centres every vector on general traffic's mean (the background's: what
+all prompts share says nothing of their intent: on the training configs the nearest prototype is
+the right intent for 86.6% of in-domain prompts, against 85.7%), then reads the similarities
+relative to the config: for each intent, the prompt's similarity to its prototype and to its
+nearest example, how far above the other intents and the background, and how it compares with the
+intent's own examples held out one at a time (``IntentStats``: a tight intent needs more than a
+loose one). Boosted stumps (``extproc.stumps``) turn those into the probability that the prompt is
+that intent's; the likeliest intent wins if its probability reaches the model's bar
+(``confidence`` overrides it). The model was
 trained by ``python -m bench.train_routing`` on configs written apart from this code
 (``bench/data/routing_train/``), never on the blind ones, so it learned how a user's own small
 config behaves rather than one config's thresholds.
@@ -131,6 +134,7 @@ class IntentModel:
     bias: float
     threshold: float
     embedder: str
+    center: bool = False  # trained on vectors centred on the background's mean (``IntentIndex``)
     _model: Stumps = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -143,7 +147,8 @@ class IntentModel:
 
     def to_json(self, **about: object) -> str:
         """The model as ``MODEL_PATH`` keeps it, with ``about`` (how it was trained and measured)."""
-        return json.dumps({"features": FEATURES, "embedder": self.embedder, "threshold": self.threshold, **about,
+        return json.dumps({"features": FEATURES, "embedder": self.embedder, "threshold": self.threshold,
+                           "center": self.center, **about,
                            "bias": self.bias, "stumps": [list(s) for s in self.stumps]}, indent=1) + "\n"
 
     @classmethod
@@ -153,7 +158,7 @@ class IntentModel:
         if tuple(data["features"]) != FEATURES:
             raise ValueError(f"{path}: trained on {data['features']}, not {list(FEATURES)}")
         return cls(tuple((int(j), float(t), float(lo), float(hi)) for j, t, lo, hi in data["stumps"]),
-                   float(data["bias"]), float(data["threshold"]), str(data["embedder"]))
+                   float(data["bias"]), float(data["threshold"]), str(data["embedder"]), bool(data.get("center")))
 
 
 @functools.cache
@@ -206,7 +211,7 @@ class IntentIndex:
     def __init__(self, intents: Sequence[Intent], embedder: Embedder, threshold: float | None = None,
                  margin: float = DEFAULT_MARGIN, cache_size: int = 4096, top_k: int = 1,
                  scoring: Scoring | None = None, background: Sequence[str] = (), decision: Decision | None = None,
-                 confidence: float | None = None, model: IntentModel | None = None) -> None:
+                 confidence: float | None = None, model: IntentModel | None = None, center: bool | None = None) -> None:
         self.intents = tuple(intents)
         for intent in self.intents:
             if not intent.examples:
@@ -220,7 +225,7 @@ class IntentIndex:
         self.top_k = top_k
         self.scoring: Scoring = scoring or scoring_for(embedder.name)
         if decision is None:  # an explicit threshold is the threshold decision's
-            decision = "learned" if threshold is None and (model is not None or learned_decision_for(
+            decision = "learned" if threshold is None and background and (model is not None or learned_decision_for(
                 embedder.name, self.scoring)) else "threshold"
         self.decision: Decision = decision
         self.model: IntentModel | None = None
@@ -230,15 +235,24 @@ class IntentIndex:
                 raise ValueError(f"the learned decision was trained on the {self.model.embedder} embedder's vectors "
                                  f"with centroid scoring, not {embedder.name}'s with {self.scoring}: "
                                  "use decision: threshold")
+            if not background:
+                raise ValueError("the learned decision reads the background prompts: use decision: threshold")
         self.confidence = confidence if confidence is not None else self.model.threshold if self.model else None
+        general = embedder.embed(list(background)) if background and self.intents and self.scoring == "centroid" \
+            else np.zeros((0, 0), dtype=np.float32)
+        if center is None:
+            center = self.model is not None and self.model.center
+        # Centred (the learned decision's model says so): general traffic's mean vector taken from
+        # every vector, which then measures what sets a prompt apart from the rest.
+        self._center = general.mean(axis=0) if center and len(general) else None
         texts = [text for intent in self.intents for text in _texts(intent)]
-        self._vectors = embedder.embed(texts) if texts else np.zeros((0, 0), dtype=np.float32)
+        self._vectors = self.embed(texts) if texts else np.zeros((0, 0), dtype=np.float32)
         ends = np.cumsum([len(_texts(intent)) for intent in self.intents])
         self._spans = [(int(end) - len(_texts(intent)), int(end))
                        for intent, end in zip(self.intents, ends, strict=True)]
         self._prototypes = np.stack([prototype(self._vectors[start:end]) for start, end in self._spans]) \
             if self.intents else np.zeros((0, 0), dtype=np.float32)
-        self._background = self._general(background)
+        self._background = self._general(self._view(general))
         self._stats = IntentStats.of(self._vectors, self._spans) if self.model is not None and self.intents else None
         self._cache: OrderedDict[str, IntentMatch] = OrderedDict()
         self._lock = threading.Lock()
@@ -258,13 +272,29 @@ class IntentIndex:
         """Each intent's prototype: the normalised mean of its rows."""
         return self._prototypes
 
-    def _general(self, background: Sequence[str]) -> np.ndarray:
+    def _general(self, vectors: np.ndarray) -> np.ndarray:
         """The background prompts' vectors, less those like one of this config's intents (a general
         set holds some prompts of any domain): used with centroid scoring only."""
-        if not background or not self.intents or self.scoring != "centroid":
+        if not len(vectors):
             return np.zeros((0, self._prototypes.shape[1] if self.intents else 0), dtype=np.float32)
-        vectors = self.embedder.embed(list(background))
         return vectors[(vectors @ self._prototypes.T).max(axis=1) < BACKGROUND_CLEAN]
+
+    def _view(self, vectors: np.ndarray) -> np.ndarray:
+        """The embedder's unit vectors as the index compares them: centred, then unit again, if so."""
+        if self._center is None or not len(vectors):
+            return vectors
+        centred = (vectors - self._center).astype(np.float32)
+        norms = np.linalg.norm(centred, axis=1, keepdims=True)
+        return np.divide(centred, norms, out=np.zeros_like(centred), where=norms > 0)
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """``texts`` as the index compares them (the embedder's vectors, centred if the index is)."""
+        return self._view(self.embedder.embed(texts))
+
+    @property
+    def centred(self) -> bool:
+        """Whether vectors are compared centred on general traffic's mean."""
+        return self._center is not None
 
     @property
     def background_size(self) -> int:
@@ -275,7 +305,7 @@ class IntentIndex:
         """(len(texts), len(intents)): each text's score for each intent (see the module docstring)."""
         if not self.intents:
             return np.zeros((len(texts), 0), dtype=np.float32)
-        return self._scores(self.embedder.embed(texts))
+        return self._scores(self.embed(texts))
 
     def score_rows(self, vector: np.ndarray, rows: np.ndarray) -> float:
         """``vector``'s score for an intent made of ``rows`` (unit vectors), as ``scores`` computes
@@ -356,7 +386,7 @@ class IntentIndex:
         if missing and not self.intents:
             found.update({text: IntentMatch(None, 0.0, -1.0, "") for text in missing})
         elif missing:
-            fresh = dict(zip(missing, self._decide(self.embedder.embed(missing)), strict=True))
+            fresh = dict(zip(missing, self._decide(self.embed(missing)), strict=True))
             found.update(fresh)
             self._remember(fresh)
         return [found[text] for text in texts]
