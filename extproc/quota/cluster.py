@@ -2,7 +2,8 @@
 
 ``redis_url`` names one server (``redis://``, ``rediss://``, ``unix://``) or a cluster by some of
 its nodes: ``redis+cluster://[user:password@]host:port[,host:port...][/0]`` (``rediss+cluster://``
-for TLS). The factories here hand every user of Redis the right client for either:
+for TLS, with ``?ssl_ca_certs=/path/ca.pem`` for a private CA; ``TLS_OPTIONS``). The factories
+here hand every user of Redis the right client for either:
 
 - ``pipelined(url)``: the hot path's connection (quotas, the response cache's lookups): a
   ``PipelinedConnection`` to one server, or a ``ClusterConnection``, one pipelined connection per
@@ -30,7 +31,7 @@ import logging
 import random
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
 from redis.crc import key_slot
 
@@ -39,6 +40,9 @@ from extproc.quota.resp import PipelinedConnection, RedisReplyError
 log = logging.getLogger("llmgw.redis")
 SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 SLOTS = 16384
+# TLS options a URL's query may carry (redis-py's names): a private CA, a client certificate, or
+# ssl_cert_reqs=none to skip verification.
+TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
 MAX_REDIRECTIONS = 5
 TRYAGAIN_S = 0.05
 
@@ -51,13 +55,14 @@ class ClusterUrl:
     username: str | None
     password: str | None
     seeds: tuple[tuple[str, int], ...]
+    tls: tuple[tuple[str, str], ...] = ()  # TLS_OPTIONS given in the query, as given
 
     def node_url(self, host: str, port: int) -> str:
-        """The URL of one node, with the cluster's credentials and scheme."""
+        """The URL of one node, with the cluster's credentials, scheme and TLS options."""
         auth = ""
         if self.password is not None:
             auth = f"{quote(self.username or '', safe='')}:{quote(self.password, safe='')}@"
-        return f"{self.scheme}://{auth}{host}:{port}/0"
+        return f"{self.scheme}://{auth}{host}:{port}/0" + (f"?{urlencode(self.tls)}" if self.tls else "")
 
 
 def parse_cluster(url: str) -> ClusterUrl | None:
@@ -70,6 +75,10 @@ def parse_cluster(url: str) -> ClusterUrl | None:
     split = urlsplit(f"{SCHEMES[scheme]}://{rest}")
     if split.path not in ("", "/", "/0"):
         raise ValueError("a Redis Cluster has only database 0")
+    tls = tuple(parse_qsl(split.query, keep_blank_values=True))
+    unknown = sorted({name for name, _ in tls} - set(TLS_OPTIONS))
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)}: not a cluster URL option ({', '.join(TLS_OPTIONS)})")
     credentials, _, hosts = split.netloc.rpartition("@")
     username, _, password = credentials.partition(":") if credentials else ("", "", "")
     seeds = []
@@ -79,7 +88,7 @@ def parse_cluster(url: str) -> ClusterUrl | None:
             raise ValueError(f"{node.strip() or '(empty)'}: a cluster node is host:port")
         seeds.append((host.strip("[]"), int(port)))
     return ClusterUrl(SCHEMES[scheme], unquote(username) or None, unquote(password) if credentials else None,
-                      tuple(seeds))
+                      tuple(seeds), tls)
 
 
 def check_url(url: str) -> None:
@@ -123,7 +132,7 @@ def _redis_py(url: str, single: Any, cluster_class: Any, node: Any, options: dic
         return single.from_url(url, **options)
     return cluster_class(startup_nodes=[node(host, port) for host, port in cluster.seeds],
                          username=cluster.username, password=cluster.password, ssl=cluster.scheme == "rediss",
-                         **options)
+                         **dict(cluster.tls), **options)
 
 
 def _routing_key(args: tuple[str | int | bytes, ...]) -> str | int | bytes | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 import hiredis
@@ -123,6 +124,19 @@ class _Protocol(asyncio.Protocol):
             self._transport.abort()  # connection_lost follows and fails the waiters
 
 
+def tls_context(params: Mapping[str, Any]) -> ssl.SSLContext:
+    """The TLS context of a ``rediss://`` URL's options (redis-py's names): ``ssl_ca_certs`` (a
+    private CA; else the system's), ``ssl_certfile`` and ``ssl_keyfile`` (a client certificate),
+    ``ssl_cert_reqs=none`` (no verification)."""
+    context = ssl.create_default_context(cafile=params.get("ssl_ca_certs"))
+    if params.get("ssl_certfile"):
+        context.load_cert_chain(params["ssl_certfile"], params.get("ssl_keyfile"))
+    if str(params.get("ssl_cert_reqs", "required")).lower() in ("none", "cert_none"):
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
 def _consume(future: asyncio.Future[Any]) -> None:
     """Read a reply nobody waits for (an ``ASKING``'s ``OK``), so that its error is not logged."""
     if not future.cancelled():
@@ -209,7 +223,7 @@ class PipelinedConnection:
                 if self._kind is UnixDomainSocketConnection:
                     await loop.create_unix_connection(lambda: protocol, params["path"])
                 else:
-                    context = ssl.create_default_context() if self._kind is SSLConnection else None
+                    context = tls_context(params) if self._kind is SSLConnection else None
                     await loop.create_connection(lambda: protocol, params.get("host", "localhost"),
                                                  params.get("port", 6379), ssl=context)
                 handshake: list[tuple[str | int | bytes, ...]] = []

