@@ -2,8 +2,8 @@
 ``extproc/cache/paraphrase_model.json``.
 
 Training data: this project's own labelled pairs, ``bench/data/paraphrases.yaml``,
-``paraphrases_fresh.yaml`` and ``paraphrases_train_*.yaml`` (1,756 pairs from six writers:
-paraphrases and near misses of every kind, ten languages; 1,669 once those sharing a prompt with
+``paraphrases_fresh.yaml`` and ``paraphrases_train_*.yaml`` (2,956 pairs from ten writers:
+paraphrases and near misses of every kind, thirteen languages; 2,815 once those sharing a prompt with
 the blind sets are left out).
 The blind sets (``bench/data/blind/``) are not trained on: ``python -m bench.blind`` measures the
 trained model on them afterwards. Only their prompts' texts are read here, so that a training pair
