@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from extproc.accounting import ResponseFacts, Usage, build_record, rejection
 from extproc.config import parse_config
 from extproc.coordinator.server import CoordinatorMetrics
@@ -48,6 +50,23 @@ def test_sync_copies_store_counters_as_deltas() -> None:
     assert _value(metrics, "llmgw_quota_local_admissions_total") == 7
     assert _value(metrics, "llmgw_quota_store_outages_total") == 1
     assert _value(metrics, "llmgw_quota_store_degraded") == 0
+
+
+def test_sync_copies_the_ledgers_counters() -> None:
+    @dataclass
+    class Ledger:
+        buffered: int = 3
+        dropped: int = 1
+        unreplicated: int = 4
+
+    metrics, ledger = GatewayMetrics(), Ledger()
+    metrics.sync(None, ledger)
+    metrics.sync(None, ledger)  # nothing new: nothing added
+    ledger.unreplicated, ledger.buffered = 6, 0
+    metrics.sync(None, ledger)
+    assert _value(metrics, "llmgw_ledger_buffered_records") == 0
+    assert _value(metrics, "llmgw_ledger_dropped_records_total") == 1
+    assert _value(metrics, "llmgw_ledger_unreplicated_appends_total") == 6
 
 
 def test_rejections_by_status_and_code() -> None:

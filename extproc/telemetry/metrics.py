@@ -53,6 +53,7 @@ class LedgerStats(Protocol):
     def buffered(self) -> int: ...
 
     dropped: int
+    unreplicated: int
 
 
 class ClassifierCounts(Protocol):
@@ -118,6 +119,9 @@ class GatewayMetrics:
                                  registry=self.registry)
         self.ledger_dropped = Counter("llmgw_ledger_dropped_records", "Usage records lost to a full buffer",
                                       registry=self.registry)
+        self.ledger_unreplicated = Counter("llmgw_ledger_unreplicated_appends", "Usage record appends that fewer "
+                                           "than ledger.replicas replicas acknowledged within ledger.wait_ms (kept "
+                                           "buffered and sent again)", registry=self.registry)
         self.routing = Counter("llmgw_routing_decisions", "Requests forwarded, by pool and what chose it (rule; "
                                "intent for semantic routing, 'default' when none matched)",
                                ("llmgw_pool", "llmgw_rule", "llmgw_intent"), registry=self.registry)
@@ -183,6 +187,7 @@ class GatewayMetrics:
         self._probed_pools: set[str] = set()
         self._seen = (0, 0, 0)  # the store's outages, local admissions and lost settlements, as last synced
         self._dropped = 0
+        self._unreplicated = 0
         self._outcomes: dict[str, int] = {}
         self._embed_seconds = 0.0
 
@@ -310,7 +315,8 @@ class GatewayMetrics:
         if ledger is not None:
             self.ledger_buffered.set(ledger.buffered)
             self.ledger_dropped.inc(ledger.dropped - self._dropped)
-            self._dropped = ledger.dropped
+            self.ledger_unreplicated.inc(ledger.unreplicated - self._unreplicated)
+            self._dropped, self._unreplicated = ledger.dropped, ledger.unreplicated
 
 
 def prepare_multiprocess_dir(path: Path) -> Path:
