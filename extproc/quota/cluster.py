@@ -29,8 +29,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
 from redis.crc import key_slot
@@ -45,6 +46,7 @@ SLOTS = 16384
 TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
 MAX_REDIRECTIONS = 5
 TRYAGAIN_S = 0.05
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,23 @@ class ClusterConnection:
         ``PipelinedConnection.call``."""
         routing = key if key is not None else _routing_key(args)
         slot = _slot(routing) if routing is not None else random.randrange(SLOTS)
+        return await self._routed(slot, lambda node, asking: node.call(*args, later=later, asking=asking))
+
+    async def calls(self, commands: list[tuple[str | int | bytes, ...]], *, key: str | bytes) -> list[Any]:
+        """Send ``commands`` together on the connection to ``key``'s primary (see
+        ``PipelinedConnection.calls``). A redirection answering the first command sends them all
+        again where it points; a node that does not answer, once more after the map is re-read."""
+        async def together(node: PipelinedConnection, asking: bool) -> list[Any]:
+            replies = await node.calls(commands, asking=asking)
+            if isinstance(replies[0], RedisReplyError):
+                raise replies[0]  # a redirection (or an error) for them all
+            return replies
+
+        return await self._routed(_slot(key), together)
+
+    async def _routed(self, slot: int, send: Callable[[PipelinedConnection, bool], Awaitable[T]]) -> T:
+        """``send`` to the primary of ``slot`` (with ``ASKING`` when an ``ASK`` points elsewhere),
+        following redirections, and once more after the map is re-read if the node does not answer."""
         asking: tuple[str, int] | None = None
         failed_over = False
         for _ in range(MAX_REDIRECTIONS + 1):
@@ -184,9 +203,8 @@ class ClusterConnection:
                 address = self._slots[slot]
                 if address is None:
                     raise ConnectionError(f"redis cluster: no node serves slot {slot}")
-            connection = self._node(address)
             try:
-                return await connection.call(*args, later=later, asking=asking is not None)
+                return await send(self._node(address), asking is not None)
             except RedisReplyError as error:
                 asking = await self._redirected(error, slot)
             except (ConnectionError, TimeoutError, OSError):
@@ -195,33 +213,6 @@ class ClusterConnection:
                     raise
                 failed_over, asking = True, None
                 await self.refresh(forget=address)
-        raise ConnectionError(f"redis cluster: more than {MAX_REDIRECTIONS} redirections for slot {slot}")
-
-    async def calls(self, commands: list[tuple[str | int | bytes, ...]], *, key: str | bytes) -> list[Any]:
-        """Send ``commands`` together on the connection to ``key``'s primary (see
-        ``PipelinedConnection.calls``). A redirection answering the first command sends them all
-        again where it points; a node that does not answer, once more after the map is re-read."""
-        slot = _slot(key)
-        asking: tuple[str, int] | None = None
-        failed_over = False
-        for _ in range(MAX_REDIRECTIONS + 1):
-            address = asking or self._slots[slot]
-            if address is None:
-                await self.refresh()
-                address = self._slots[slot]
-                if address is None:
-                    raise ConnectionError(f"redis cluster: no node serves slot {slot}")
-            try:
-                replies = await self._node(address).calls(commands, asking=asking is not None)
-            except (ConnectionError, TimeoutError, OSError):
-                if failed_over:
-                    raise
-                failed_over, asking = True, None
-                await self.refresh(forget=address)
-                continue
-            if not isinstance(replies[0], RedisReplyError):
-                return replies
-            asking = await self._redirected(replies[0], slot)
         raise ConnectionError(f"redis cluster: more than {MAX_REDIRECTIONS} redirections for slot {slot}")
 
     async def _redirected(self, error: RedisReplyError, slot: int) -> tuple[str, int] | None:
