@@ -168,9 +168,7 @@ class PipelinedConnection:
         would route it by (``extproc.quota.cluster``); one server has no use for it. ``asking``:
         ``ASKING`` is written just before it (Redis Cluster's answer to ``ASK``: the node takes the
         command for a slot it is importing)."""
-        protocol = self._protocol
-        if protocol is None or protocol.lost is not None:
-            protocol = await self._connect()
+        protocol = self._live() or await self._connect()
         asked = protocol.send(_pack(("ASKING",)), later=later) if asking else None
         future = protocol.send(_pack(args), later=later)
         try:
@@ -179,8 +177,7 @@ class PipelinedConnection:
                     await asked
                 return await future
         except TimeoutError:
-            protocol.abort(TimeoutError(f"no reply within {self.timeout_s}s"))
-            raise TimeoutError(f"redis: no reply within {self.timeout_s}s") from None
+            raise self._late(protocol) from None
 
     async def calls(self, commands: list[tuple[str | int | bytes, ...]], *, asking: bool = False,
                     key: str | bytes | None = None) -> list[Any]:
@@ -189,9 +186,7 @@ class PipelinedConnection:
         before it took effect). What must follow other commands on their own connection goes so:
         ``WAIT`` counts the replicas that have this connection's writes. ``asking``: ``ASKING``
         before each; ``key``: as ``call``'s."""
-        protocol = self._protocol
-        if protocol is None or protocol.lost is not None:
-            protocol = await self._connect()
+        protocol = self._live() or await self._connect()
         futures = []
         for args in commands:
             if asking:
@@ -201,12 +196,21 @@ class PipelinedConnection:
             async with asyncio.timeout(self.timeout_s):
                 replies = await asyncio.gather(*futures, return_exceptions=True)
         except TimeoutError:
-            protocol.abort(TimeoutError(f"no reply within {self.timeout_s}s"))
-            raise TimeoutError(f"redis: no reply within {self.timeout_s}s") from None
+            raise self._late(protocol) from None
         for reply in replies:
             if isinstance(reply, BaseException) and not isinstance(reply, RedisReplyError):
                 raise reply
         return replies
+
+    def _live(self) -> _Protocol | None:
+        """The connection, unless there is none yet or it was lost."""
+        protocol = self._protocol
+        return protocol if protocol is not None and protocol.lost is None else None
+
+    def _late(self, protocol: _Protocol) -> TimeoutError:
+        """A reply came too late: nothing after it can be matched any more, so the connection goes."""
+        protocol.abort(TimeoutError(f"no reply within {self.timeout_s}s"))
+        return TimeoutError(f"redis: no reply within {self.timeout_s}s")
 
     async def _connect(self) -> _Protocol:
         # One connection attempt at a time; the callers arriving meanwhile wait for the same one.
