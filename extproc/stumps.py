@@ -4,13 +4,17 @@ paraphrase check, semantic routing's intent decision). Pure numpy.
 An additive model: each stump (feature, split, value if <= split, value if above) adds to the
 log-odds, so each feature's contribution is a step function. ``fit_stumps`` trains one for the
 log-loss; ``Stumps`` evaluates it, one row or a matrix at a time (one ``searchsorted`` per
-feature: the stumps on a feature are folded into one step function once).
+feature: the stumps on a feature are folded into one step function once); ``stumps_json`` and
+``load_stumps`` write and read a shipped model's file.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -88,3 +92,20 @@ def fit_stumps(x: np.ndarray, y: np.ndarray, rounds: int = 300, learning_rate: f
         stumps.append(stump)
         f += np.where(x[:, j] <= split, stump[2], stump[3])
     return tuple(stumps), bias
+
+
+def stumps_json(features: tuple[str, ...], stumps: tuple[Stump, ...], bias: float, **about: object) -> str:
+    """A shipped model's file: the features it reads, ``about`` (its settings, how it was trained
+    and measured), then the bias and the stumps."""
+    return json.dumps({"features": features, **about, "bias": bias, "stumps": [list(s) for s in stumps]},
+                      indent=1) + "\n"
+
+
+def load_stumps(path: Path, features: tuple[str, ...]) -> tuple[dict[str, Any], tuple[Stump, ...], float]:
+    """A shipped model's file: (everything it holds, its stumps, its bias); ``ValueError`` if it was
+    trained on other ``features``."""
+    data = json.loads(path.read_text())
+    if tuple(data["features"]) != features:
+        raise ValueError(f"{path}: trained on {data['features']}, not {list(features)}")
+    stumps = tuple((int(j), float(t), float(lo), float(hi)) for j, t, lo, hi in data["stumps"])
+    return data, stumps, float(data["bias"])

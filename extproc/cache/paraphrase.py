@@ -38,7 +38,6 @@ prompt (word order is compared over its first ``DISORDER_WORDS`` shared words).
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import re
 from collections import Counter
@@ -46,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from extproc.cjk import CJK
-from extproc.stumps import Stump, Stumps
+from extproc.stumps import Stump, Stumps, load_stumps, stumps_json
 
 MODEL_PATH = Path(__file__).with_name("paraphrase_model.json")
 DISORDER_WORDS = 64  # shared words whose order is compared (2,016 pairs at most)
@@ -217,15 +216,11 @@ class ParaphraseModel:
 
     def to_json(self, **about: object) -> str:
         """The model as ``MODEL_PATH`` keeps it, with ``about`` (how it was trained and measured)."""
-        return json.dumps({"features": FEATURES, "embedder": self.embedder, "threshold": self.threshold,
-                           "min_cosine": self.min_cosine, **about, "bias": self.bias,
-                           "stumps": [list(s) for s in self.stumps]}, indent=1) + "\n"
+        return stumps_json(FEATURES, self.stumps, self.bias, embedder=self.embedder, threshold=self.threshold,
+                              min_cosine=self.min_cosine, **about)
 
     @classmethod
     def load(cls, path: Path = MODEL_PATH) -> ParaphraseModel:
         """The shipped model (``ValueError`` if it was trained on other features)."""
-        data = json.loads(path.read_text())
-        if tuple(data["features"]) != FEATURES:
-            raise ValueError(f"{path}: trained on {data['features']}, not {list(FEATURES)}")
-        return cls(tuple((int(j), float(t), float(lo), float(hi)) for j, t, lo, hi in data["stumps"]),
-                   float(data["bias"]), float(data["threshold"]), str(data["embedder"]), float(data["min_cosine"]))
+        data, trained, bias = load_stumps(path, FEATURES)
+        return cls(trained, bias, float(data["threshold"]), str(data["embedder"]), float(data["min_cosine"]))

@@ -32,7 +32,6 @@ config behaves rather than one config's thresholds.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import threading
 from collections import OrderedDict
@@ -44,7 +43,7 @@ from typing import Literal
 import numpy as np
 
 from extproc.routing.embedders import Embedder
-from extproc.stumps import Stump, Stumps
+from extproc.stumps import Stump, Stumps, load_stumps, stumps_json
 
 DEFAULT_MARGIN = 0.02
 # The background (centroid scoring): general prompts (background.txt) whose cosine to every
@@ -147,18 +146,14 @@ class IntentModel:
 
     def to_json(self, **about: object) -> str:
         """The model as ``MODEL_PATH`` keeps it, with ``about`` (how it was trained and measured)."""
-        return json.dumps({"features": FEATURES, "embedder": self.embedder, "threshold": self.threshold,
-                           "center": self.center, **about,
-                           "bias": self.bias, "stumps": [list(s) for s in self.stumps]}, indent=1) + "\n"
+        return stumps_json(FEATURES, self.stumps, self.bias, embedder=self.embedder, threshold=self.threshold,
+                              center=self.center, **about)
 
     @classmethod
     def load(cls, path: Path = MODEL_PATH) -> IntentModel:
         """The shipped model (``ValueError`` if it was trained on other features)."""
-        data = json.loads(path.read_text())
-        if tuple(data["features"]) != FEATURES:
-            raise ValueError(f"{path}: trained on {data['features']}, not {list(FEATURES)}")
-        return cls(tuple((int(j), float(t), float(lo), float(hi)) for j, t, lo, hi in data["stumps"]),
-                   float(data["bias"]), float(data["threshold"]), str(data["embedder"]), bool(data.get("center")))
+        data, trained, bias = load_stumps(path, FEATURES)
+        return cls(trained, bias, float(data["threshold"]), str(data["embedder"]), bool(data.get("center")))
 
 
 @functools.cache
