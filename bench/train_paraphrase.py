@@ -2,25 +2,28 @@
 ``extproc/cache/paraphrase_model.json``.
 
 Training data: this project's own labelled pairs, ``bench/data/paraphrases.yaml``,
-``paraphrases_fresh.yaml`` and ``paraphrases_train_*.yaml`` (2,956 pairs from ten writers:
-paraphrases and near misses of every kind, thirteen languages; 2,815 once those sharing a prompt with
-the blind sets are left out).
+``paraphrases_fresh.yaml`` and ``paraphrases_train_*.yaml`` (4,556 pairs from fourteen writers:
+paraphrases and near misses of every kind, over twenty languages; 4,376 once those sharing a prompt
+with the blind sets are left out).
 The blind sets (``bench/data/blind/``) are not trained on: ``python -m bench.blind`` measures the
 trained model on them afterwards. Only their prompts' texts are read here, so that a training pair
 sharing a prompt with them (a common question both sides wrote) is left out.
 
 The cosine feature comes from the embedder the model is trained for (``--embedder``, the semantic
-cache's default, ``minilm``): a model is valid only with that embedder. The probability threshold
-is chosen by five-fold cross-validation on the training pairs: the lowest that keeps precision at
-``--precision`` (99%) on the held-out folds, so that the shipped model's false-hit rate is
-estimated on pairs it was not fitted to; the steps before the model (vetoes, the same words) are
-part of what is cross-validated, and the model is fitted only on the pairs they leave open.
-``min_cosine`` is the lowest cosine of a pair the cross-validated model served: the index offers
-it no candidate below that.
+cache's default, ``minilm``): a model is valid only with that embedder. Both parts are fitted: the
+boosted stumps over the words, and the logistic regression over ``pair_vector`` (L2 penalty
+``--l2``, inputs standardised, Newton steps; the standardisation is folded into the shipped
+weights). The probability threshold is chosen by leave-one-file-out cross-validation (each file is
+one writer's): the lowest that keeps precision at ``--precision`` (99%) on the held-out files, so
+that the shipped model's false-hit rate is estimated on a writer it was not fitted to, as a user's
+traffic is; the steps before the model (vetoes, the same words) are part of what is
+cross-validated, and the model is fitted only on the pairs they leave open. ``min_cosine`` is the
+lowest cosine of a pair the cross-validated model served: the index offers it no candidate below
+that.
 
 Prints one JSON line (the cross-validated precision and recall).
 
-    python -m bench.train_paraphrase [--embedder minilm] [--precision 0.99] [--write]
+    python -m bench.train_paraphrase [--embedder minilm] [--precision 0.99] [--l2 300] [--write]
 """
 
 from __future__ import annotations
@@ -34,7 +37,18 @@ import yaml
 from rich.progress import Progress
 
 from bench.common import emit
-from extproc.cache.paraphrase import MODEL_PATH, ParaphraseModel, pair_features, read, same_words, veto
+from extproc.cache.paraphrase import (
+    ENCODER,
+    LOGIT_CAP,
+    MODEL_PATH,
+    Linear,
+    ParaphraseModel,
+    pair_features,
+    pair_vector,
+    read,
+    same_words,
+    veto,
+)
 from extproc.routing.embedders import build_embedder
 from extproc.stumps import fit_stumps
 
@@ -42,35 +56,78 @@ DATA = Path(__file__).parent / "data"
 BLIND = DATA / "blind"  # only their prompts' texts are read here, to leave those out of training
 TRAINING = (DATA / "paraphrases.yaml", DATA / "paraphrases_fresh.yaml",
             *sorted(DATA.glob("paraphrases_train_*.yaml")))
-FOLDS = 5
 
 
-def pairs() -> list[tuple[str, str, bool]]:
-    """The training pairs: (a, b, same), but for those with a prompt that a blind set has too
-    (common questions, written by both sides): the blind figure must be of prompts never seen."""
+def pairs() -> list[tuple[str, str, bool, str]]:
+    """The training pairs: (a, b, same, the file it comes from), but for those with a prompt that a
+    blind set has too (common questions, written by both sides): the blind figure must be of
+    prompts never seen."""
     seen = {text.strip().lower() for path in sorted(BLIND.glob("cache_pairs_*.yaml"))
             for pair in yaml.safe_load(path.read_text())["pairs"] for text in (pair["a"], pair["b"])}
-    return [(p["a"], p["b"], bool(p["same"])) for path in TRAINING for p in yaml.safe_load(path.read_text())["pairs"]
+    return [(p["a"], p["b"], bool(p["same"]), path.name) for path in TRAINING
+            for p in yaml.safe_load(path.read_text())["pairs"]
             if p["a"].strip().lower() not in seen and p["b"].strip().lower() not in seen]
 
 
-def features(embedder_name: str, data: list[tuple[str, str, bool]], progress: Progress
-             ) -> tuple[np.ndarray, np.ndarray]:
-    """Each pair's features, with ``embedder_name``'s cosine, and what the steps before the model
-    say of it: 0 (a veto: never served), 1 (the same words: served), else -1 (the model decides)."""
+def embed_all(embedder_name: str, texts: list[str], progress: Progress) -> dict[str, np.ndarray]:
+    """Each text's vector from ``embedder_name``."""
     embedder = build_embedder(embedder_name)
-    texts = list(dict.fromkeys(t for a, b, _ in data for t in (a, b)))
     task = progress.add_task(f"embedding {len(texts)} prompts ({embedder_name})", total=len(texts))
     vectors: dict[str, np.ndarray] = {}
     for start in range(0, len(texts), 32):
         chunk = texts[start:start + 32]
         vectors.update(zip(chunk, embedder.embed(chunk), strict=True))
         progress.advance(task, len(chunk))
+    return vectors
+
+
+def features(embedder_name: str, data: list[tuple[str, str, bool, str]], progress: Progress
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each pair's stump features, with ``embedder_name``'s cosine; its ``pair_vector`` (the
+    second encoder's vectors too); and what the steps before the model say of it: 0 (a veto: never
+    served), 1 (the same words: served), else -1 (the model decides)."""
+    texts = list(dict.fromkeys(t for a, b, *_ in data for t in (a, b)))
+    vectors, meanings = embed_all(embedder_name, texts, progress), embed_all(ENCODER, texts, progress)
     read_once = {text: read(text) for text in texts}
-    x = np.array([pair_features(float(vectors[a] @ vectors[b]), read_once[a], read_once[b]) for a, b, _ in data])
+    x = np.array([pair_features(float(vectors[a] @ vectors[b]), read_once[a], read_once[b]) for a, b, *_ in data])
+    pair = np.array([pair_vector(row, vectors[a], vectors[b], meanings[a], meanings[b])
+                     for row, (a, b, *_) in zip(x, data, strict=True)], dtype=np.float32)
     ruled = np.array([0.0 if veto(read_once[a], read_once[b]) else 1.0 if same_words(read_once[a], read_once[b])
-                      else -1.0 for a, b, _ in data])
-    return x, ruled
+                      else -1.0 for a, b, *_ in data])
+    return x, pair, ruled
+
+
+def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float, steps: int = 30) -> Linear:
+    """A logistic regression on standardised inputs, by Newton steps with an L2 penalty (the bias
+    unpenalised), returned with the standardisation folded into its weights."""
+    mean, scale = x.mean(axis=0), x.std(axis=0) + 1e-6
+    z = np.hstack([(x - mean) / scale, np.ones((len(x), 1))])
+    penalty = np.r_[np.full(z.shape[1] - 1, l2), 1e-6]
+    w = np.zeros(z.shape[1])
+    for _ in range(steps):
+        p = 1.0 / (1.0 + np.exp(-(z @ w)))
+        gradient = z.T @ (p - y) + penalty * w
+        hessian = (z * (p * (1 - p))[:, None]).T @ z + np.diag(penalty)
+        step = np.linalg.solve(hessian, gradient)
+        w -= step
+        if np.abs(step).max() < 1e-6:
+            break
+    weights = w[:-1] / scale
+    return Linear(weights.astype(np.float32), float(w[-1] - weights @ mean))
+
+
+def fit(x: np.ndarray, pair: np.ndarray, same: np.ndarray, rounds: int, l2: float) -> ParaphraseModel:
+    """Both parts fitted on these pairs (threshold and floor not set yet)."""
+    stumps, bias = fit_stumps(x, same, rounds=rounds)
+    return ParaphraseModel(stumps, bias, 0.5, linear=fit_logistic(pair, same, l2), encoder=ENCODER)
+
+
+def probabilities(model: ParaphraseModel, x: np.ndarray, pair: np.ndarray) -> np.ndarray:
+    """The model's probability of each pair (rows of ``x`` and ``pair``)."""
+    assert model.linear is not None
+    log_odds = (np.array([model.stumps_log_odds(list(row)) for row in x])
+                + np.clip(model.linear.log_odds(pair), -LOGIT_CAP, LOGIT_CAP)) / 2
+    return 1.0 / (1.0 + np.exp(-log_odds))
 
 
 def threshold_for(probability: np.ndarray, same: np.ndarray, precision: float) -> tuple[float, float, float]:
@@ -90,33 +147,38 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--embedder", default="minilm")
     parser.add_argument("--precision", type=float, default=0.99)
     parser.add_argument("--rounds", type=int, default=300, help="boosting rounds (stumps)")
+    parser.add_argument("--l2", type=float, default=300.0, help="the logistic part's L2 penalty")
     parser.add_argument("--write", action="store_true", help=f"write {MODEL_PATH.name}")
     args = parser.parse_args(argv)
     data = pairs()
-    same = np.array([s for _, _, s in data], dtype=float)
+    same = np.array([s for _, _, s, _ in data], dtype=float)
+    files = np.array([name for *_, name in data])
     with Progress(transient=True) as progress:
-        x, ruled = features(args.embedder, data, progress)
-    learned = ruled < 0  # the model is trained on, and decides, the pairs the steps before it leave open
-    folds = np.random.default_rng(0).integers(0, FOLDS, len(data))
-    held_out = np.where(learned, 0.0, ruled)
-    for fold in range(FOLDS):
-        train, test = learned & (folds != fold), learned & (folds == fold)
-        stumps, bias = fit_stumps(x[train], same[train], rounds=args.rounds)
-        model = ParaphraseModel(stumps, bias, 0.5)
-        held_out[test] = [model.probability(list(row)) for row in x[test]]
-    threshold, precision, recall = threshold_for(held_out, same, args.precision)
-    served = learned & (held_out >= threshold)
-    min_cosine = float(x[served, 0].min()) if served.any() else 1.0
-    stumps, bias = fit_stumps(x[learned], same[learned], rounds=args.rounds)
-    model = ParaphraseModel(stumps, bias, round(threshold, 6), args.embedder, round(max(0.01, min_cosine - 0.01), 4))
+        x, pair, ruled = features(args.embedder, data, progress)
+        learned = ruled < 0  # the model is trained on, and decides, the pairs the steps before it leave open
+        held_out = np.where(learned, 0.0, ruled)
+        task = progress.add_task("cross-validating, one writer's file held out at a time", total=len(TRAINING))
+        for name in dict.fromkeys(files):
+            train, test = learned & (files != name), learned & (files == name)
+            held_out[test] = probabilities(fit(x[train], pair[train], same[train], args.rounds, args.l2),
+                                           x[test], pair[test])
+            progress.advance(task)
+        threshold, precision, recall = threshold_for(held_out, same, args.precision)
+        served = learned & (held_out >= threshold)
+        min_cosine = float(x[served, 0].min()) if served.any() else 1.0
+        trained = fit(x[learned], pair[learned], same[learned], args.rounds, args.l2)
+    model = ParaphraseModel(trained.stumps, trained.bias, round(threshold, 6), args.embedder,
+                            round(max(0.01, min_cosine - 0.01), 4), trained.linear, ENCODER)
     about = {"trained_on": [p.name for p in TRAINING], "pairs": len(data),
              "pairs_vetoed": int((ruled == 0).sum()), "pairs_same_words": int((ruled == 1).sum()),
-             "cross_validated": {"folds": FOLDS, "precision": round(precision, 4), "recall": round(recall, 4)},
+             "l2": args.l2, "cross_validated": {"by": "leave one file (writer) out", "precision": round(precision, 4),
+                                                "recall": round(recall, 4)},
              "trained": datetime.date.today().isoformat()}
     if args.write:
         MODEL_PATH.write_text(model.to_json(**about))
-    emit("train_paraphrase", {"bench": "train_paraphrase", "stumps": len(stumps), "threshold": model.threshold,
-                              "embedder": model.embedder, "min_cosine": model.min_cosine, **about})
+    emit("train_paraphrase", {"bench": "train_paraphrase", "stumps": len(model.stumps), "threshold": model.threshold,
+                              "embedder": model.embedder, "encoder": model.encoder, "min_cosine": model.min_cosine,
+                              **about})
 
 
 if __name__ == "__main__":

@@ -51,10 +51,10 @@ class Stumps:
         """(rows,) probabilities of a (rows, features) matrix."""
         return 1.0 / (1.0 + np.exp(-self.log_odds(x)))
 
-    def probability_one(self, features: list[float]) -> float:
-        """One row's probability, without numpy's per-call cost (a check of one pair)."""
-        log_odds = self.bias + sum(left if features[j] <= split else right for j, split, left, right in self.stumps)
-        return 1.0 / (1.0 + math.exp(-log_odds))
+    def log_odds_one(self, features: list[float]) -> float:
+        """One row's log-odds, without numpy's per-call cost (a check of one pair)."""
+        return self.bias + sum(left if features[j] <= split else right for j, split, left, right in self.stumps)
+
 
 
 def fit_stumps(x: np.ndarray, y: np.ndarray, rounds: int = 300, learning_rate: float = 0.1, min_leaf: int = 8,

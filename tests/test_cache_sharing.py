@@ -122,6 +122,11 @@ def test_a_shared_record_round_trips_and_a_bad_vector_is_refused() -> None:
     prompt = Prompt("hello there", np.arange(4, dtype=np.float32) / 4, None)
     embedder, partition, back, key = decode(encode("minilm", "t1", prompt, b"\x01" * 32))
     assert (embedder, partition, back.text, key) == ("minilm", "t1", "hello there", b"\x01" * 32)
-    assert np.array_equal(back.vector, prompt.vector)
+    assert np.array_equal(back.vector, prompt.vector) and back.meaning is None
+    # the learned check's second vector travels with it, so no process embeds the prompt again
+    meant = Prompt("hello there", prompt.vector, None, np.arange(6, dtype=np.float32) / 6)
+    assert np.array_equal(decode(encode("minilm", "t1", meant, b"\x01" * 32))[2].meaning, meant.meaning)
     with pytest.raises(ValueError):
         decode(encode("minilm", "t1", Prompt("x", np.array([np.nan], dtype=np.float32), None), b"\x02"))
+    with pytest.raises(ValueError):
+        decode(encode("minilm", "t1", Prompt("x", prompt.vector, None, np.array([np.inf], np.float32)), b"\x02"))

@@ -9,30 +9,42 @@ index finds (``SemanticIndex``) is checked in three steps:
    pair that differs in any of them asks something else (``veto`` says which and how).
 2. **The same words**: two prompts that differ only in case, spacing or a closing ?, ! or . are one
    request.
-3. **A learned classifier** over the pair decides the rest:
+3. **A learned classifier** over the pair decides the rest, from two views of it:
 
-- ``cosine``: the embedder's similarity of the two prompts;
-- ``jaccard``: shared words over all words; ``fewest_own`` / ``most_own``: how many words only one
-  of them has (the side with fewer, the side with more); ``fewest_own_content`` /
-  ``most_own_content``: the same, function words (articles, pronouns, auxiliaries, politeness) left
-  out: "what's" for "what is" rewords, "Spain" for "France" changes the question;
-- ``disorder``: how far the words both have once come in another order (a reversed relation or
-  direction changes the order, not the words);
-- ``numbers``, ``quoted``, ``code``, ``negation``: whether the numbers, the quoted strings, the code
-  identifiers, the count of negations differ (the checks that carry over across topics);
-- ``length``: the squared log ratio of their lengths.
+- boosted stumps over what the two texts say word by word (``FEATURES``):
+
+  - ``cosine``: the embedder's similarity of the two prompts;
+  - ``jaccard``: shared words over all words; ``fewest_own`` / ``most_own``: how many words only one
+    of them has (the side with fewer, the side with more); ``fewest_own_content`` /
+    ``most_own_content``: the same, function words (articles, pronouns, auxiliaries, politeness) left
+    out: "what's" for "what is" rewords, "Spain" for "France" changes the question;
+  - ``disorder``: how far the words both have once come in another order (a reversed relation or
+    direction changes the order, not the words);
+  - ``numbers``, ``quoted``, ``code``, ``negation``: whether the numbers, the quoted strings, the code
+    identifiers, the count of negations differ (the checks that carry over across topics);
+  - ``length``: the squared log ratio of their lengths;
+
+- a logistic regression over what the two prompts mean, dimension by dimension (``pair_vector``):
+  those features, the cosine of a second, multilingual encoder (``encoder``: the Universal Sentence
+  Encoder multilingual v3, whose vectors sit near for a paraphrase in any of 16 languages), and for
+  each encoder the element-wise product and absolute difference of the two vectors (which
+  dimensions agree, which part ways: the pair classifier of InferSent and sentence-BERT).
+
+The pair's probability is the sigmoid of the two log-odds' mean: the words vouch for the form of
+the request, the vectors for its meaning.
 
 Step 2 comes before the model because the pairs it learned from hold no pair that close, and a
 stump on the cosine learned that a near miss's cosine is often the highest.
 
-The model is boosted decision stumps (``extproc.stumps``: each feature's contribution is a step
-function), trained by ``python -m bench.train_paraphrase`` on this project's own labelled pairs
-(``bench/data/paraphrases*.yaml``), never on the blind sets, and shipped as
-``paraphrase_model.json`` beside this module, on the pairs the vetoes let through. Its probability
-must reach the model's own ``threshold``: the one where five-fold cross-validation of all three
-steps on the training pairs kept precision at 99%. Reading a prompt's features costs a few regular
-expressions (linear in its length); checking a pair, tens of microseconds, and no more for a long
-prompt (word order is compared over its first ``DISORDER_WORDS`` shared words).
+Both parts are trained by ``python -m bench.train_paraphrase`` on this project's own labelled
+pairs (``bench/data/paraphrases*.yaml``), never on the blind sets, and shipped as
+``paraphrase_model.json`` beside this module, on the pairs the vetoes let through. The probability
+must reach the model's own ``threshold``: the one where cross-validation of all three steps, each
+writer's pairs decided by a model fitted on the other writers' only, kept precision at 99%.
+Reading a prompt's features costs a few regular expressions (linear in its length) and the second
+encoder's forward pass (~2.5 ms, in the embedding thread); checking a pair, tens of microseconds,
+and no more for a long prompt (word order is compared over its first ``DISORDER_WORDS`` shared
+words).
 """
 
 from __future__ import annotations
@@ -41,13 +53,18 @@ import itertools
 import math
 import re
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from extproc.cjk import CJK
 from extproc.stumps import Stump, Stumps, load_stumps, stumps_json
 
 MODEL_PATH = Path(__file__).with_name("paraphrase_model.json")
+ENCODER = "multilingual"  # the second encoder, whose vectors the logistic part compares
+LOGIT_CAP = math.log(1e9)  # each part's log-odds is bounded: neither outvotes the other alone
 DISORDER_WORDS = 64  # shared words whose order is compared (2,016 pairs at most)
 FEATURES = ("cosine", "jaccard", "fewest_own", "most_own", "fewest_own_content", "most_own_content", "disorder",
             "numbers", "quoted", "code", "negation", "length")
@@ -187,40 +204,105 @@ def _disorder(first: tuple[str, ...], second: tuple[str, ...]) -> float:
     return swapped / pairs
 
 
+def pair_vector(features: Sequence[float], first: np.ndarray, second: np.ndarray, first_meaning: np.ndarray,
+                second_meaning: np.ndarray) -> np.ndarray:
+    """The logistic part's inputs for one pair: the stumps' ``features``, the second encoder's
+    cosine, then for that encoder and for the embedder the absolute difference and the product of
+    the two prompts' vectors (``*_meaning``: the second encoder's; the others, the embedder's)."""
+    return np.concatenate([np.asarray(features, dtype=np.float32), [float(first_meaning @ second_meaning)],
+                           np.abs(first_meaning - second_meaning), first_meaning * second_meaning,
+                           np.abs(first - second), first * second])
+
+
+def _capped(log_odds: float) -> float:
+    return min(LOGIT_CAP, max(-LOGIT_CAP, log_odds))
+
+
+@dataclass(frozen=True, slots=True)
+class Linear:
+    """A logistic regression's weights (standardisation folded in) and bias."""
+
+    weights: np.ndarray
+    bias: float
+
+    def log_odds(self, x: np.ndarray) -> np.ndarray | float:
+        """The log-odds of one input vector, or of a (rows, inputs) matrix."""
+        return x @ self.weights + self.bias
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Linear) and self.bias == other.bias
+                and np.array_equal(self.weights, other.weights))
+
+    def __hash__(self) -> int:
+        return hash((self.bias, self.weights.size))
+
+
 @dataclass(frozen=True, slots=True)
 class ParaphraseModel:
-    """Boosted stumps: each (feature, split, value if <= split, value if above) adds to the log-odds."""
+    """Boosted stumps over the words (each (feature, split, value if <= split, value if above) adds
+    to the log-odds) and, where ``linear`` is given, a logistic regression over the two encoders'
+    vectors: the pair's log-odds is the mean of the two."""
 
     stumps: tuple[Stump, ...]
     bias: float
     threshold: float  # the probability a pair must reach to be served as the same request
     embedder: str = "minilm"  # whose cosines it was trained on: valid with that embedder only
     min_cosine: float = 0.5  # no pair below it was served in cross-validation: the index's candidate floor
+    linear: Linear | None = None  # over ``pair_vector``; None: the stumps alone
+    encoder: str | None = None  # the second encoder ``linear`` reads (``ENCODER``), where it has one
     _model: Stumps = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_model", Stumps(self.stumps, self.bias))
 
-    def probability(self, features: list[float]) -> float:
-        """The probability that the pair asks for the same answer."""
-        return self._model.probability_one(features)
+    def probability(self, features: list[float], pair: np.ndarray | None = None) -> float:
+        """The probability that the pair asks for the same answer (``pair``: its ``pair_vector``,
+        needed where the model has a logistic part)."""
+        log_odds = self.stumps_log_odds(features)
+        if self.linear is not None:
+            if pair is None:
+                raise ValueError("this model reads the pair's vectors too (pair_vector)")
+            log_odds = (log_odds + _capped(float(self.linear.log_odds(pair)))) / 2
+        return 1.0 / (1.0 + math.exp(-log_odds))
 
-    def same(self, features: list[float]) -> bool:
+    def stumps_log_odds(self, features: list[float]) -> float:
+        """The stumps' part: their log-odds, capped at ``LOGIT_CAP`` either way."""
+        return _capped(self._model.log_odds_one(features))
+
+    def same(self, features: list[float], pair: np.ndarray | None = None) -> bool:
         """Whether the pair's features say it is one request."""
-        return self.probability(features) >= self.threshold
+        return self.probability(features, pair) >= self.threshold
 
-    def accepts(self, cosine: float, a: PromptFeatures, b: PromptFeatures) -> bool:
+    def accepts(self, cosine: float, a: PromptFeatures, b: PromptFeatures,
+                vectors: tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None] | None = None) -> bool:
         """Whether ``b``'s stored answer is served for ``a``: no veto, and the same words or the
-        model's yes."""
-        return veto(a, b) is None and (same_words(a, b) or self.same(pair_features(cosine, a, b)))
+        model's yes. ``vectors``: ``a``'s and ``b``'s embedder vectors, then their second
+        encoder's (a model with a logistic part refuses a pair without them)."""
+        if veto(a, b) is not None:
+            return False
+        if same_words(a, b):
+            return True
+        features = pair_features(cosine, a, b)
+        if self.linear is None:
+            return self.same(features)
+        if vectors is None or vectors[2] is None or vectors[3] is None:
+            return False
+        return self.same(features, pair_vector(features, vectors[0], vectors[1], vectors[2], vectors[3]))
 
     def to_json(self, **about: object) -> str:
         """The model as ``MODEL_PATH`` keeps it, with ``about`` (how it was trained and measured)."""
+        linear = {} if self.linear is None else {
+            "encoder": self.encoder,
+            "linear": {"bias": self.linear.bias, "weights": [float(f"{w:.7g}") for w in self.linear.weights]}}
         return stumps_json(FEATURES, self.stumps, self.bias, embedder=self.embedder, threshold=self.threshold,
-                              min_cosine=self.min_cosine, **about)
+                           min_cosine=self.min_cosine, **linear, **about)
 
     @classmethod
     def load(cls, path: Path = MODEL_PATH) -> ParaphraseModel:
         """The shipped model (``ValueError`` if it was trained on other features)."""
         data, trained, bias = load_stumps(path, FEATURES)
-        return cls(trained, bias, float(data["threshold"]), str(data["embedder"]), float(data["min_cosine"]))
+        linear = data.get("linear")
+        return cls(trained, bias, float(data["threshold"]), str(data["embedder"]), float(data["min_cosine"]),
+                   None if linear is None else Linear(np.array(linear["weights"], dtype=np.float32),
+                                                      float(linear["bias"])),
+                   data.get("encoder"))

@@ -1108,11 +1108,13 @@ def disagreement(a: Facts, b: Facts) -> str | None:
 @dataclass(frozen=True, slots=True)
 class Prompt:
     """A prompt ready to match or store: its text, unit vector and what the check reads of it (the
-    rules' ``Facts``, the learned check's ``PromptFeatures``; None: not read yet, or no check)."""
+    rules' ``Facts``, the learned check's ``PromptFeatures`` and its second encoder's vector,
+    ``meaning``; None: not read yet, or no check)."""
 
     text: str
     vector: np.ndarray
     facts: Facts | PromptFeatures | None
+    meaning: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -1129,13 +1131,14 @@ class _Partition:
     """One partition's prompts: a ring of at most ``capacity`` rows, the first added overwritten
     first (a hit does not make a prompt younger: its answer expires in the store all the same)."""
 
-    __slots__ = ("facts", "keys", "next", "rows", "size", "texts", "vectors")
+    __slots__ = ("facts", "keys", "meanings", "next", "rows", "size", "texts", "vectors")
 
     def __init__(self) -> None:
         self.vectors = np.zeros((0, 0), dtype=np.float32)
         self.texts: list[str] = []
         self.keys: list[bytes] = []
         self.facts: list[Facts | PromptFeatures | None] = []
+        self.meanings: list[np.ndarray | None] = []
         self.rows: dict[str, int] = {}  # text -> row
         self.size = 0
         self.next = 0  # the row the next new prompt takes
@@ -1159,10 +1162,12 @@ class _Partition:
         if row < self.size:  # evict the oldest
             del self.rows[self.texts[row]]
             self.texts[row], self.keys[row], self.facts[row] = prompt.text, key, prompt.facts
+            self.meanings[row] = prompt.meaning
         else:
             self.texts.append(prompt.text)
             self.keys.append(key)
             self.facts.append(prompt.facts)
+            self.meanings.append(prompt.meaning)
             self.size += 1
         self.vectors[row] = prompt.vector
         self.rows[prompt.text] = row
@@ -1176,11 +1181,16 @@ class SemanticIndex:
     and hand the ``Prompt`` to ``match`` and later to ``add``.
 
     Memory: up to ``capacity`` x the embedder's dimension x 4 bytes per partition (MiniLM: 1.5 kB
-    a prompt, 15 MB at 10,000), plus the texts and their facts.
+    a prompt, 15 MB at 10,000), plus the texts and their facts, and with the learned check the
+    second encoder's vectors (USE-m3: 2 kB a prompt).
+
+    ``meaning``: the learned check's second encoder (default: the one its model names, loaded
+    here, ~0.3 s: build the index outside the event loop).
     """
 
     def __init__(self, embedder: Embedder, threshold: float | None = None, capacity: int = DEFAULT_CAPACITY,
-                 guard: bool = True, candidates: int = DEFAULT_CANDIDATES, check: Check | None = None) -> None:
+                 guard: bool = True, candidates: int = DEFAULT_CANDIDATES, check: Check | None = None,
+                 meaning: Embedder | None = None) -> None:
         if not guard and check not in (None, "none"):
             raise ValueError(f"guard=False is check none, not {check}")
         self.check: Check = check or default_check(embedder.name, guard)
@@ -1195,6 +1205,11 @@ class SemanticIndex:
             raise ValueError(f"the learned check was trained on {self._model.embedder} cosines, "
                              f"not {embedder.name}'s")
         self.embedder = embedder
+        self.meaning = meaning
+        if self.meaning is None and self._model is not None and self._model.encoder is not None:
+            from extproc.routing.embedders import build_embedder
+
+            self.meaning = build_embedder(self._model.encoder)
         self.threshold = threshold
         self.capacity = capacity
         self.guard = self.check != "none"
@@ -1208,8 +1223,13 @@ class SemanticIndex:
 
     def prepare_many(self, texts: list[str]) -> list[Prompt]:
         """Each text embedded in one batch."""
-        vectors = self.embedder.embed(texts) if texts else np.zeros((0, 0), dtype=np.float32)
-        return [Prompt(text, vector, self._read(text)) for text, vector in zip(texts, vectors, strict=True)]
+        if not texts:
+            return []
+        vectors = self.embedder.embed(texts)
+        meanings: list[np.ndarray | None] = (list(self.meaning.embed(texts)) if self.meaning is not None
+                                               else [None] * len(texts))
+        return [Prompt(text, vector, self._read(text), meaning)
+                for text, vector, meaning in zip(texts, vectors, meanings, strict=True)]
 
     def _read(self, text: str) -> Facts | PromptFeatures | None:
         if self.check == "learned":
@@ -1239,27 +1259,35 @@ class SemanticIndex:
             if above.size > self.candidates:
                 above = above[np.argpartition(-scores[above], self.candidates - 1)[:self.candidates]]
             for row in above[np.argsort(-scores[above], kind="stable")]:
-                if self._accepts(prepared.facts, part.facts[row], float(scores[row])):
+                if self._accepts(prepared, part, int(row), float(scores[row])):
                     return Match(part.keys[row], round(float(scores[row]), 4), part.texts[row])
             return None
 
-    def _accepts(self, query: object, stored: object, cosine: float) -> bool:
-        """Whether the check serves ``stored``'s answer for ``query`` (both read by ``_read``)."""
-        if self._model is not None and isinstance(query, PromptFeatures) and isinstance(stored, PromptFeatures):
-            return self._model.accepts(cosine, query, stored)
-        if self.check == "rules" and isinstance(query, Facts) and isinstance(stored, Facts):
-            return disagreement(query, stored) is None
+    def _accepts(self, query: Prompt, part: _Partition, row: int, cosine: float) -> bool:
+        """Whether the check serves the answer of ``part``'s prompt at ``row`` for ``query`` (both
+        read by ``_read``)."""
+        stored = part.facts[row]
+        if self._model is not None and isinstance(query.facts, PromptFeatures) and isinstance(stored, PromptFeatures):
+            vectors = (query.vector, part.vectors[row], query.meaning, part.meanings[row])
+            return self._model.accepts(cosine, query.facts, stored, vectors)
+        if self.check == "rules" and isinstance(query.facts, Facts) and isinstance(stored, Facts):
+            return disagreement(query.facts, stored) is None
         return self.check == "none"
 
     def _prepared(self, prompt: str | Prompt) -> Prompt:
         """``prompt`` embedded if it is a text, read by this index's check if it was not (a prompt
-        shared by another process, or prepared by an index with another check)."""
+        shared by another process, or prepared by an index with another check): its facts read
+        again, and its second encoder's vector computed where the check needs one and it has none."""
         if isinstance(prompt, str):
             return self.prepare(prompt)
         wanted = PromptFeatures if self.check == "learned" else Facts if self.check == "rules" else type(None)
-        if not isinstance(prompt.facts, wanted):
-            return Prompt(prompt.text, prompt.vector, self._read(prompt.text))
-        return prompt
+        facts = prompt.facts if isinstance(prompt.facts, wanted) else self._read(prompt.text)
+        meaning = prompt.meaning
+        if self.meaning is not None and meaning is None:
+            meaning = self.meaning.embed([prompt.text])[0]
+        if facts is prompt.facts and meaning is prompt.meaning:
+            return prompt
+        return Prompt(prompt.text, prompt.vector, facts, meaning)
 
     def size(self, partition: str) -> int:
         """How many prompts ``partition`` holds."""
@@ -1316,9 +1344,12 @@ class SemanticIndexes:
             from extproc.routing.embedders import build_embedder
 
             embedder = await self.run(build_embedder, spec.embedder)
+            # built here, in the embedding thread: the learned check loads its second encoder
+            built_index = await self.run(functools.partial(SemanticIndex, embedder, spec.threshold, spec.capacity,
+                                                           check=spec.check))
             index = self._indexes.get(key)
             if index is None:
-                index = self._indexes[key] = SemanticIndex(embedder, spec.threshold, spec.capacity, check=spec.check)
+                index = self._indexes[key] = built_index
                 for built in self.on_built:
                     await self.run(built, spec.embedder, index)
         return index

@@ -12,10 +12,12 @@ and one that starts later reads the ones kept (``SHARED_MAXLEN``) before the new
 paraphrase is found by whichever worker or replica it reaches, and only prompts whose answers were
 stored take room in the index.
 
-A shared vector is used as it comes (embedding it again would cost ~8 ms per process); its facts
-for the guard are read from the text again (~80 us), in the embedding thread. A record from an
+A shared vector is used as it comes (embedding it again would cost ~8 ms per process), and so is
+the learned check's second vector (``meaning``, USE-m3's); its facts for the check are read from
+the text again (~80 us), in the embedding thread. A record from an
 embedder this process has no index for yet waits (``BACKLOG`` of them at most) until one is
-built. Records are compact JSON with the vector in base64: ~2.2 kB for MiniLM's 384 dimensions.
+built. Records are compact JSON with the vectors in base64: ~2.2 kB for MiniLM's 384 dimensions,
+~5 kB with USE-m3's 512 beside them.
 """
 
 from __future__ import annotations
@@ -107,15 +109,26 @@ def _add_all(indexes: list[SemanticIndex], entries: list[tuple[str, Prompt, byte
 
 def encode(embedder: str, partition: str, prompt: Prompt, key: bytes) -> bytes:
     """A shared prompt as it travels."""
-    vector = np.ascontiguousarray(prompt.vector, dtype=np.float32)
-    return orjson.dumps({"e": embedder, "p": partition, "t": prompt.text, "k": key.hex(),
-                         "v": base64.b64encode(vector.tobytes()).decode()})
+    record = {"e": embedder, "p": partition, "t": prompt.text, "k": key.hex(), "v": _b64(prompt.vector)}
+    if prompt.meaning is not None:
+        record["m"] = _b64(prompt.meaning)
+    return orjson.dumps(record)
+
+
+def _b64(vector: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(vector, dtype=np.float32).tobytes()).decode()
+
+
+def _vector(raw: Any) -> np.ndarray:
+    vector = np.frombuffer(base64.b64decode(raw), dtype=np.float32)
+    if vector.size == 0 or not np.isfinite(vector).all():
+        raise ValueError("an empty or non-finite vector")
+    return vector
 
 
 def decode(record: bytes) -> tuple[str, str, Prompt, bytes]:
     """(embedder, partition, prompt without facts, key) of a shared record."""
     raw: dict[str, Any] = orjson.loads(record)
-    vector = np.frombuffer(base64.b64decode(raw["v"]), dtype=np.float32)
-    if vector.size == 0 or not np.isfinite(vector).all():
-        raise ValueError("an empty or non-finite vector")
-    return str(raw["e"]), str(raw["p"]), Prompt(str(raw["t"]), vector, None), bytes.fromhex(raw["k"])
+    meaning = _vector(raw["m"]) if "m" in raw else None
+    return (str(raw["e"]), str(raw["p"]), Prompt(str(raw["t"]), _vector(raw["v"]), None, meaning),
+            bytes.fromhex(raw["k"]))
