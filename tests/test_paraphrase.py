@@ -154,3 +154,11 @@ def test_an_index_with_the_learned_check_vetoes_and_serves_the_same_words() -> N
     assert index.match("t", "What is 17 x 24?") is None  # a number vetoes it
     with pytest.raises(ValueError, match="trained on minilm"):
         SemanticIndex(HashingEmbedder(), check="learned")
+
+
+def test_the_learned_check_reads_the_process_s_one_multilingual_encoder_and_embeds_each_prompt_with_it() -> None:
+    index = SemanticIndex(_MiniLMNamed(), threshold=0.3, capacity=10)
+    assert index.meaning is build_embedder("multilingual")  # the one semantic routing loads: ~120 MB once
+    prompt = index.prepare("¿Cómo invierto una lista en Python?")
+    assert prompt.meaning is not None and prompt.meaning.shape == (512,)
+    assert abs(float(np.linalg.norm(prompt.meaning)) - 1.0) < 1e-4

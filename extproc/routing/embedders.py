@@ -22,6 +22,7 @@ import importlib.util
 import itertools
 import math
 import re
+import threading
 import urllib.error
 import urllib.request
 import zlib
@@ -365,6 +366,20 @@ class MultilingualEmbedder:
         return _normalise(vectors)
 
 
+_SHARED_LOCK = threading.Lock()
+_SHARED: list[MultilingualEmbedder] = []
+
+
+def _shared_multilingual() -> MultilingualEmbedder:
+    """One multilingual encoder a process (~120 MB of weights): semantic routing and the semantic
+    cache's learned check read the same one. It may embed in two threads at once: its weights are
+    only read once loaded, and they are loaded (a warm-up) before it is handed out."""
+    with _SHARED_LOCK:
+        if not _SHARED:
+            _SHARED.append(MultilingualEmbedder())
+        return _SHARED[0]
+
+
 # ---------------------------------------------------------------------------------------------
 
 class HybridEmbedder:
@@ -401,7 +416,7 @@ def build_embedder(kind: str, *, dim: int = 2048, model_dir: str | None = None, 
     if kind == "hybrid":
         return HybridEmbedder(MiniLMEmbedder(Path(model_dir) if model_dir else None), HashingEmbedder(dim))
     if kind == "multilingual":
-        return MultilingualEmbedder()
+        return _shared_multilingual()
     if kind == "remote":
         if not url or not model:
             raise EmbedderError("the remote embedder needs a url and a model")
