@@ -41,10 +41,11 @@ from rich.progress import Progress
 
 from bench.cache_semantic import Pair, evaluate
 from bench.common import emit
-from extproc.cache.semantic import Check, default_check
+from extproc.cache.semantic import Check, SemanticIndex, default_check
 from extproc.config import SemanticCacheSpec, parse_config
 from extproc.launcher import LocalStack, StackOptions
 from extproc.routing.classifier import build_index
+from extproc.routing.embedders import build_embedder
 
 BLIND = Path(__file__).parent / "data" / "blind"
 NONE = "none"
@@ -163,7 +164,36 @@ def cache_blind(progress: Progress, check: Check | None = None) -> dict[str, Any
     by_writer = {writer: result[writer] for writer in dict.fromkeys(p.split for p in pairs)}
     return {"embedder": spec.embedder, "check": result["check"], "threshold": result["threshold"],
             "pairs": len(pairs), "paraphrases": sum(p.same for p in pairs), **result["all"], "by_writer": by_writer,
-            "false_hits_by_kind": result["false_hits_by_kind"], "missed_by_lang": result["missed_by_lang"]}
+            "false_hits_by_kind": result["false_hits_by_kind"], "missed_by_lang": result["missed_by_lang"],
+            **check_costs(pairs, spec.embedder, result["check"], spec.threshold)}
+
+
+def check_costs(pairs: list[Pair], embedder: str, check: Check, threshold: float | None,
+                sample: int = 200) -> dict[str, Any]:
+    """What the check costs on the hot path, over the first ``sample`` pairs (one thread): preparing
+    one prompt (embedding it, the second encoder's vector, its features: once a request) and a
+    lookup of a partition holding one stored prompt (the cosine and the check of that candidate),
+    in medians and p99s."""
+    index = SemanticIndex(build_embedder(embedder), threshold, check=check)
+    index.prepare("warm-up")
+    prepare_ms, lookup_us = [], []
+    for i, pair in enumerate(pairs[:sample]):
+        started = time.perf_counter()
+        query = index.prepare(pair.b)
+        prepare_ms.append((time.perf_counter() - started) * 1000)
+        index.add(str(i), pair.a, b"k")
+        tries = []
+        for _ in range(3):
+            started = time.perf_counter()
+            index.match(str(i), query)
+            tries.append((time.perf_counter() - started) * 1e6)
+        lookup_us.append(min(tries))
+    prepare_ms.sort()
+    lookup_us.sort()
+    return {"prepare_ms": {"median": round(statistics.median(prepare_ms), 3),
+                           "p99": round(prepare_ms[int(0.99 * len(prepare_ms))], 3)},
+            "lookup_one_candidate_us": {"median": round(statistics.median(lookup_us), 1),
+                                        "p99": round(lookup_us[int(0.99 * len(lookup_us))], 1)}}
 
 
 def main(argv: list[str] | None = None) -> None:
