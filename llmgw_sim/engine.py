@@ -85,6 +85,11 @@ class SimEngine:
         self._wake = asyncio.Event()
         self._trackers: dict[SimSequence, RequestTracker] = {}
         self._calls = 0
+        self._halted = False
+
+    def halt(self) -> None:
+        """Stop stepping for good, from the step hook: that step's tokens are not handed out."""
+        self._halted = True
 
     def submit(self, tracker: RequestTracker) -> None:
         """Queue every sequence of ``tracker``, as one call."""
@@ -121,6 +126,8 @@ class SimEngine:
                 await asyncio.sleep(0)
             now = self._clock()
             self._on_step(result, scheduler)
+            if self._halted:
+                return
             trackers = self._trackers
             for seq in result.emitted:
                 tracker = trackers.get(seq)

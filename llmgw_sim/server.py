@@ -50,6 +50,9 @@ Operation = Literal["chat", "completion", "embedding"]
 _POOLING_PLAN = OutputPlan(token_ids=[], deltas=[], finish_reason="stop")
 _HANG_POLL_S = 0.05
 _CRASH_DELAY_S = 0.05  # let the last response leave the socket before the hard exit
+# die_after_tokens: the engine stops at once, the process ends this much later (the last tokens
+# handed out reach their clients even on a loaded machine, and none after them can)
+_DIE_DELAY_S = 0.3
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,22 +234,23 @@ class SimPod:
             if crash:
                 self.exit_soon()
 
-    def exit_soon(self) -> None:
+    def exit_soon(self, delay_s: float = _CRASH_DELAY_S) -> None:
         """End the process (``crash_after``) once the last answer has left the socket."""
-        asyncio.get_running_loop().call_later(_CRASH_DELAY_S, self._exit_process)
+        asyncio.get_running_loop().call_later(delay_s, self._exit_process)
 
     def _on_step(self, result: StepResult, scheduler: Scheduler) -> None:
         """After each engine step, before its tokens are handed out: metrics, and ``die_after_tokens``.
 
         The step in which a sequence generates its N-th token is handed out (every stream and
-        batch-protocol call gets its tokens); the process ends before the next step is, or
-        ``_CRASH_DELAY_S`` later when none comes: its clients' connections are cut mid-answer."""
+        batch-protocol call gets its tokens); the engine stops before the next step is, and the
+        process ends ``_DIE_DELAY_S`` after that step: its clients' connections are cut mid-answer,
+        each having got exactly the tokens handed out."""
         self.metrics.record_step(result, scheduler)
         if self._dying:
-            self._exit_process()
+            self.engine.halt()
         elif any(self.faults.dies_after(seq.generated) for seq in result.emitted):
             self._dying = True
-            self.exit_soon()
+            self.exit_soon(_DIE_DELAY_S)
 
     async def _serve(self, request: web.Request, operation: Operation, request_id: str,
                      arrived: float) -> web.StreamResponse:

@@ -230,7 +230,9 @@ async def test_prefix_cache_hits_show_in_usage_and_metrics(make_client: ClientFa
 
 
 async def test_continuous_finishes_mixed_workload_sooner(make_client: ClientFactory) -> None:
-    cost = CostParams(decode_base_s=0.01, decode_per_seq_s=0.0, prefill_per_token_s=0.0, max_num_seqs=8)
+    # 20 ms steps: a loaded machine's stalled loop, which later steps catch up on, is small beside
+    # the 90 ms static loses to dynamic here
+    cost = CostParams(decode_base_s=0.02, decode_per_seq_s=0.0, prefill_per_token_s=0.0, max_num_seqs=8)
     latencies = {}
     for engine in ("continuous", "dynamic", "static"):
         client = await make_client(time_scale=1.0, cost=cost, engine=engine)
@@ -243,12 +245,12 @@ async def test_continuous_finishes_mixed_workload_sooner(make_client: ClientFact
 
         long_job = {"model": MODEL, "prompt": "long", "max_tokens": 40, "ignore_eos": True}
         short_job = {"model": MODEL, "prompt": "short", "max_tokens": 3, "ignore_eos": True}
-        results = await asyncio.gather(timed(long_job, 0), *(timed(short_job, 0.05) for _ in range(4)))
+        results = await asyncio.gather(timed(long_job, 0), *(timed(short_job, 0.1) for _ in range(4)))
         latencies[engine] = sum(results[1:]) / 4
     # continuous: the shorts join at once (~3 steps); dynamic: they wait for the 40-step batch
     # and then run together; static: they also run one call after another.
-    assert latencies["continuous"] < 0.15
-    assert latencies["dynamic"] > 0.3
+    assert latencies["continuous"] < 0.3
+    assert latencies["dynamic"] > 0.6
     assert latencies["static"] > latencies["dynamic"] + 0.02
 
 
@@ -320,18 +322,32 @@ async def test_crash_after(make_client: ClientFactory) -> None:
 async def test_die_after_tokens_ends_the_process_once_a_sequence_has_that_many(make_client: ClientFactory) -> None:
     received: list[int] = []  # content chunks the client had when the pod asked to end the process
     chunks = 0
-    client = await make_client(exit_process=lambda: received.append(chunks), faults=FaultConfig(die_after_tokens=4),
+    exited = asyncio.Event()
+
+    def exit_process() -> None:
+        received.append(chunks)
+        exited.set()
+
+    client = await make_client(exit_process=exit_process, faults=FaultConfig(die_after_tokens=4),
                                time_scale=1.0, cost=CostParams(decode_base_s=0.05, decode_per_seq_s=0.0,
                                                                prefill_per_token_s=0.0))
     short = await post(client, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True})
     assert (await short.read()).endswith(b"data: [DONE]\n\n") and not received  # 3 tokens: no fault
     resp = await post(client, "/v1/completions",
                       {"model": MODEL, "prompt": ["x", "y"], "max_tokens": 8, "ignore_eos": True, "stream": True})
-    async for line in resp.content:
-        chunks += line.startswith(b"data: {")
-    # The step of the 4th token is handed out (4 chunks per prompt), then the process would end
-    # (a stub here: the stream goes on).
-    assert received and received[0] == 2 * 4
+
+    async def read() -> None:
+        nonlocal chunks
+        async for line in resp.content:
+            chunks += line.startswith(b"data: {")
+
+    reader = asyncio.create_task(read())
+    async with asyncio.timeout(5):
+        await exited.wait()
+    reader.cancel()
+    # The step of the 4th token is handed out (4 chunks per prompt), then the engine stops: no
+    # chunk after them, and the process would end (a stub here).
+    assert received == [2 * 4] and chunks == 2 * 4
 
 
 async def test_client_disconnect_aborts_stream(make_client: ClientFactory) -> None:
