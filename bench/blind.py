@@ -23,6 +23,7 @@ Only aggregates are printed (per config, writer, language and kind): the items t
 so that nothing is tuned on them by reading the failures.
 
     python -m bench.blind [--routing-embedders multilingual,hybrid,minilm,hashing] [--no-cache] [--stack]
+                          [--compare-rules] [--cache-precisions 0.98,0.995]
 """
 
 from __future__ import annotations
@@ -154,13 +155,14 @@ def cache_pairs() -> list[Pair]:
     return pairs
 
 
-def cache_blind(progress: Progress, check: Check | None = None) -> dict[str, Any]:
+def cache_blind(progress: Progress, check: Check | None = None, precision: float | None = None) -> dict[str, Any]:
     """The semantic cache with its defaults (``check``: the candidate check instead of the
-    default's) over every blind pair: overall, per writer, per kind."""
-    spec = SemanticCacheSpec()
+    default's; ``precision``: the learned check's operating point) over every blind pair: overall,
+    per writer, per kind."""
+    spec = SemanticCacheSpec(precision=precision)
     pairs = cache_pairs()
     result = evaluate(spec.embedder, True, spec.threshold, pairs=pairs, progress=progress,
-                      check=check or spec.check or default_check(spec.embedder))
+                      check=check or spec.check or default_check(spec.embedder), precision=spec.precision)
     by_writer = {writer: result[writer] for writer in dict.fromkeys(p.split for p in pairs)}
     return {"embedder": spec.embedder, "check": result["check"], "threshold": result["threshold"],
             "pairs": len(pairs), "paraphrases": sum(p.same for p in pairs), **result["all"], "by_writer": by_writer,
@@ -206,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-cache", action="store_true", help="routing only")
     parser.add_argument("--no-routing", action="store_true", help="the cache only")
     parser.add_argument("--compare-rules", action="store_true", help="the cache with the rules' check too")
+    parser.add_argument("--cache-precisions", type=lambda v: [float(p) for p in v.split(",")], default=[],
+                        help="the cache also at these operating points of the learned check (0.98,0.995)")
     args = parser.parse_args(argv)
     out: dict[str, Any] = {"bench": "blind"}
     with Progress(transient=True) as progress:
@@ -232,6 +236,10 @@ def main(argv: list[str] | None = None) -> None:
             out["cache"] = cache_blind(progress)
             if args.compare_rules:  # the hand-written guard, in the same run
                 out["cache_rules"] = cache_blind(progress, "rules")
+            for precision in args.cache_precisions:
+                at = cache_blind(progress, precision=precision)
+                out.setdefault("cache_at_precision", {})[str(precision)] = {
+                    key: at[key] for key in ("precision", "precision_low95", "recall", "hits", "false_hits")}
     emit("blind", out)
 
 

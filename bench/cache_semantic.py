@@ -211,13 +211,15 @@ def crowd_sweep(best: np.ndarray, right: np.ndarray, same: np.ndarray) -> Curve:
 
 def evaluate(kind: str, guard: bool, threshold: float | None, *, embedder: Embedder | None = None,
              pairs: list[Pair] | None = None, progress: Progress | None = None,
-             check: Check | None = None) -> dict[str, Any]:
+             check: Check | None = None, precision: float | None = None) -> dict[str, Any]:
     """Precision and recall at ``threshold`` through a real ``SemanticIndex`` (each pair: ``a``
     added to a fresh partition, ``b`` matched), on the tune split, the held-out split and all
-    pairs, and the kinds of the false hits. ``embedder``: one already built (default: ``kind``'s)."""
+    pairs, and the kinds of the false hits. ``embedder``: one already built (default: ``kind``'s);
+    ``precision``: the learned check's operating point (default: its model's)."""
     pairs = load() if pairs is None else pairs
     embedder = build_embedder(kind) if embedder is None else embedder
-    index = SemanticIndex(embedder, threshold, capacity=1, guard=guard, check=check or ("rules" if guard else "none"))
+    index = SemanticIndex(embedder, threshold, capacity=1, guard=guard, check=check or ("rules" if guard else "none"),
+                          precision=precision)
     texts = list(dict.fromkeys(t for p in pairs for t in (p.a, p.b)))
     label = f"{kind} + {index.check} at {index.threshold}"
     task = progress.add_task(label, total=len(texts)) if progress else None

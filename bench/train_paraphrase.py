@@ -19,7 +19,8 @@ that the shipped model's false-hit rate is estimated on a writer it was not fitt
 traffic is; the steps before the model (vetoes, the same words) are part of what is
 cross-validated, and the model is fitted only on the pairs they leave open. ``min_cosine`` is the
 lowest cosine of a pair the cross-validated model served: the index offers it no candidate below
-that.
+that. The thresholds that held 98% and 99.5% are shipped too (``operating_points``: an
+operator's ``semantic.precision``).
 
 Prints one JSON line (the cross-validated precision and recall).
 
@@ -49,6 +50,7 @@ from extproc.cache.paraphrase import (
     same_words,
     veto,
 )
+from extproc.config.schema import OPERATING_POINTS  # the cross-validated precisions an operator may ask for
 from extproc.routing.embedders import build_embedder
 from extproc.stumps import fit_stumps
 
@@ -167,12 +169,17 @@ def main(argv: list[str] | None = None) -> None:
         served = learned & (held_out >= threshold)
         min_cosine = float(x[served, 0].min()) if served.any() else 1.0
         trained = fit(x[learned], pair[learned], same[learned], args.rounds, args.l2)
+    points = {p: threshold_for(held_out, same, p) for p in OPERATING_POINTS}
     model = ParaphraseModel(trained.stumps, trained.bias, round(threshold, 6), args.embedder,
-                            round(max(0.01, min_cosine - 0.01), 4), trained.linear, ENCODER)
+                            round(max(0.01, min_cosine - 0.01), 4), trained.linear, ENCODER,
+                            tuple((p, round(t, 6)) for p, (t, _, _) in points.items()))
     about = {"trained_on": [p.name for p in TRAINING], "pairs": len(data),
              "pairs_vetoed": int((ruled == 0).sum()), "pairs_same_words": int((ruled == 1).sum()),
              "l2": args.l2, "cross_validated": {"by": "leave one file (writer) out", "precision": round(precision, 4),
-                                                "recall": round(recall, 4)},
+                                                "recall": round(recall, 4),
+                                                "operating_points": {str(p): {"precision": round(held, 4),
+                                                                              "recall": round(r, 4)}
+                                                                     for p, (_, held, r) in points.items()}},
              "trained": datetime.date.today().isoformat()}
     if args.write:
         MODEL_PATH.write_text(model.to_json(**about))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from bench.train_paraphrase import fit_logistic
 from extproc.cache.paraphrase import (
@@ -22,6 +23,7 @@ from extproc.cache.paraphrase import (
     veto,
 )
 from extproc.cache.semantic import SemanticIndex, default_check
+from extproc.config import SemanticCacheSpec
 from extproc.routing.embedders import HashingEmbedder, build_embedder
 from extproc.stumps import fit_stumps
 
@@ -162,3 +164,19 @@ def test_the_learned_check_reads_the_process_s_one_multilingual_encoder_and_embe
     prompt = index.prepare("¿Cómo invierto una lista en Python?")
     assert prompt.meaning is not None and prompt.meaning.shape == (512,)
     assert abs(float(np.linalg.norm(prompt.meaning)) - 1.0) < 1e-4
+
+
+def test_an_operator_picks_the_learned_check_s_operating_point() -> None:
+    model = ParaphraseModel.load()
+    points = dict(model.operating_points)
+    assert set(points) == {0.98, 0.99, 0.995} and points[0.98] <= points[0.99] <= points[0.995]
+    assert points[0.99] == model.threshold  # the default is the 99% point
+    with pytest.raises(ValueError, match="no operating point at precision 0.9"):
+        model.at_precision(0.9)
+    index = SemanticIndex(_MiniLMNamed(), threshold=0.3, capacity=10, precision=0.995)
+    assert index.model is not None and index.model.threshold == points[0.995]
+    assert SemanticCacheSpec(precision=0.995).precision == 0.995
+    with pytest.raises(ValidationError, match="precision is the learned check's operating point"):
+        SemanticCacheSpec(check="rules", precision=0.99)
+    with pytest.raises(ValidationError, match="precision"):
+        SemanticCacheSpec(precision=0.9)

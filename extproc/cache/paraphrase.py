@@ -54,7 +54,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -250,6 +250,8 @@ class ParaphraseModel:
     min_cosine: float = 0.5  # no pair below it was served in cross-validation: the index's candidate floor
     linear: Linear | None = None  # over ``pair_vector``; None: the stumps alone
     encoder: str | None = None  # the second encoder ``linear`` reads (``ENCODER``), where it has one
+    # (cross-validated precision, the threshold that held it), for operators who want another trade-off
+    operating_points: tuple[tuple[float, float], ...] = ()
     _model: Stumps = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -289,8 +291,20 @@ class ParaphraseModel:
             return False
         return self.same(features, pair_vector(features, vectors[0], vectors[1], vectors[2], vectors[3]))
 
+    def at_precision(self, precision: float) -> ParaphraseModel:
+        """The model with the threshold that held ``precision`` in cross-validation (``ValueError``
+        if it has no such operating point)."""
+        for held, threshold in self.operating_points:
+            if held == precision:
+                return replace(self, threshold=threshold)
+        raise ValueError(f"the paraphrase model has no operating point at precision {precision} "
+                         f"(it has {', '.join(str(p) for p, _ in self.operating_points) or 'none'})")
+
     def to_json(self, **about: object) -> str:
         """The model as ``MODEL_PATH`` keeps it, with ``about`` (how it was trained and measured)."""
+        if self.operating_points:
+            about = {"operating_points": [{"precision": p, "threshold": t} for p, t in self.operating_points],
+                     **about}
         linear = {} if self.linear is None else {
             "encoder": self.encoder,
             "linear": {"bias": self.linear.bias, "weights": [float(f"{w:.7g}") for w in self.linear.weights]}}
@@ -305,4 +319,5 @@ class ParaphraseModel:
         return cls(trained, bias, float(data["threshold"]), str(data["embedder"]), float(data["min_cosine"]),
                    None if linear is None else Linear(np.array(linear["weights"], dtype=np.float32),
                                                       float(linear["bias"])),
-                   data.get("encoder"))
+                   data.get("encoder"),
+                   tuple((float(p["precision"]), float(p["threshold"])) for p in data.get("operating_points", ())))

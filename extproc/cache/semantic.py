@@ -1186,16 +1186,21 @@ class SemanticIndex:
     second encoder's vectors (USE-m3: 2 kB a prompt).
 
     ``meaning``: the learned check's second encoder (default: the one its model names, loaded
-    here, ~0.3 s: build the index outside the event loop).
+    here, ~0.3 s: build the index outside the event loop). ``precision``: the learned check's
+    operating point (default: its model's threshold, 99% in cross-validation).
     """
 
     def __init__(self, embedder: Embedder, threshold: float | None = None, capacity: int = DEFAULT_CAPACITY,
                  guard: bool = True, candidates: int = DEFAULT_CANDIDATES, check: Check | None = None,
-                 meaning: Embedder | None = None) -> None:
+                 meaning: Embedder | None = None, precision: float | None = None) -> None:
         if not guard and check not in (None, "none"):
             raise ValueError(f"guard=False is check none, not {check}")
         self.check: Check = check or default_check(embedder.name, guard)
         self._model = paraphrase_model() if self.check == "learned" else None
+        if precision is not None:
+            if self._model is None:
+                raise ValueError("precision is the learned check's operating point")
+            self._model = self._model.at_precision(precision)
         if threshold is None:  # the learned check's lowest served cosine; else the rules' threshold
             threshold = self._model.min_cosine if self._model is not None else DEFAULT_THRESHOLD
         if not 0.0 < threshold <= 1.0:
@@ -1217,6 +1222,11 @@ class SemanticIndex:
         self.candidates = candidates
         self._partitions: dict[str, _Partition] = {}
         self._lock = threading.Lock()
+
+    @property
+    def model(self) -> paraphrase.ParaphraseModel | None:
+        """The learned check's model at this index's operating point (None: another check)."""
+        return self._model
 
     def prepare(self, text: str) -> Prompt:
         """``text`` embedded, and read by the index's check."""
@@ -1306,13 +1316,13 @@ def paraphrase_model() -> paraphrase.ParaphraseModel:
     return paraphrase.ParaphraseModel.load()
 
 
-IndexKey = tuple[str, float | None, int, Check]
+IndexKey = tuple[str, float | None, int, Check, float | None]
 
 
 def index_key(spec: Any) -> IndexKey:
-    """What makes two ``SemanticCacheSpec`` share an index: embedder, threshold, capacity and the
-    check (an unset check as it resolves)."""
-    return spec.embedder, spec.threshold, spec.capacity, spec.check or default_check(spec.embedder)
+    """What makes two ``SemanticCacheSpec`` share an index: embedder, threshold, capacity, the
+    check (an unset check as it resolves) and its operating point."""
+    return spec.embedder, spec.threshold, spec.capacity, spec.check or default_check(spec.embedder), spec.precision
 
 
 def default_check(embedder: str, guard: bool = True) -> Check:
@@ -1347,7 +1357,7 @@ class SemanticIndexes:
             embedder = await self.run(build_embedder, spec.embedder)
             # built here, in the embedding thread: the learned check loads its second encoder
             built_index = await self.run(functools.partial(SemanticIndex, embedder, spec.threshold, spec.capacity,
-                                                           check=spec.check))
+                                                           check=spec.check, precision=spec.precision))
             index = self._indexes.get(key)
             if index is None:
                 index = self._indexes[key] = built_index

@@ -153,6 +153,9 @@ class CacheSpec(_Strict):
     max_entry_bytes: Annotated[int, Field(ge=1024, le=1 << 20)] = 256 * 1024
 
 
+OPERATING_POINTS = (0.98, 0.99, 0.995)  # the learned paraphrase check's (bench/train_paraphrase.py ships them)
+
+
 class SemanticCacheSpec(_Strict):
     """Paraphrases of a cached request answered with its answer (``extproc.cache.semantic``): the
     last user turn is embedded and matched, at ``threshold``, among requests of the same tenant
@@ -167,15 +170,30 @@ class SemanticCacheSpec(_Strict):
     # The lowest cosine a stored prompt may have to be a candidate (default: the learned check's
     # lowest served cosine, 0.80 for the rules).
     threshold: Annotated[float, Field(gt=0, le=1)] | None = None
+    # The learned check's operating point: the precision its threshold held in cross-validation on
+    # held-out writers (0.995: fewer paraphrases served, fewer wrong; 0.98: more of both).
+    # Default: the model's own, 0.99.
+    precision: float | None = None  # 0.98, 0.99 or 0.995
     capacity: Annotated[int, Field(ge=1, le=1_000_000)] = 10_000  # prompts remembered per partition
     # shadow: a paraphrase's hit is counted (llmgw_cache_lookups_total{outcome="shadow"}) and logged
     # with both prompts, but not served: the request goes to a pod. To judge the check on your traffic.
     mode: Literal["serve", "shadow"] = "serve"
 
+    @field_validator("precision")
+    @classmethod
+    def _an_operating_point(cls, value: float | None) -> float | None:
+        if value is not None and value not in OPERATING_POINTS:
+            raise ValueError(f"must be one of {', '.join(str(p) for p in OPERATING_POINTS)} (the learned check's "
+                             "operating points)")
+        return value
+
     @model_validator(mode="after")
     def _learned_needs_its_embedder(self) -> SemanticCacheSpec:
         if self.check == "learned" and self.embedder != "minilm":
             raise ValueError("check: learned was trained on minilm's cosines: use embedder: minilm, or check: rules")
+        if self.precision is not None and (self.check == "rules" or self.embedder != "minilm"):
+            raise ValueError("precision is the learned check's operating point: it needs embedder: minilm and "
+                             "check: learned")
         return self
 
 
