@@ -40,7 +40,6 @@ from rich.progress import Progress
 from bench.common import emit
 from extproc.cache.paraphrase import (
     ENCODER,
-    LOGIT_CAP,
     MODEL_PATH,
     Linear,
     ParaphraseModel,
@@ -124,13 +123,6 @@ def fit(x: np.ndarray, pair: np.ndarray, same: np.ndarray, rounds: int, l2: floa
     return ParaphraseModel(stumps, bias, 0.5, linear=fit_logistic(pair, same, l2), encoder=ENCODER)
 
 
-def probabilities(model: ParaphraseModel, x: np.ndarray, pair: np.ndarray) -> np.ndarray:
-    """The model's probability of each pair (rows of ``x`` and ``pair``)."""
-    assert model.linear is not None
-    log_odds = (np.array([model.stumps_log_odds(list(row)) for row in x])
-                + np.clip(model.linear.log_odds(pair), -LOGIT_CAP, LOGIT_CAP)) / 2
-    return 1.0 / (1.0 + np.exp(-log_odds))
-
 
 def threshold_for(probability: np.ndarray, same: np.ndarray, precision: float) -> tuple[float, float, float]:
     """The lowest threshold whose hits keep ``precision``: (threshold, its precision, recall)."""
@@ -162,8 +154,8 @@ def main(argv: list[str] | None = None) -> None:
         task = progress.add_task("cross-validating, one writer's file held out at a time", total=len(TRAINING))
         for name in dict.fromkeys(files):
             train, test = learned & (files != name), learned & (files == name)
-            held_out[test] = probabilities(fit(x[train], pair[train], same[train], args.rounds, args.l2),
-                                           x[test], pair[test])
+            held_out[test] = fit(x[train], pair[train], same[train], args.rounds, args.l2).probabilities(
+                x[test], pair[test])
             progress.advance(task)
         threshold, precision, recall = threshold_for(held_out, same, args.precision)
         served = learned & (held_out >= threshold)

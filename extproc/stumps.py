@@ -56,7 +56,6 @@ class Stumps:
         return self.bias + sum(left if features[j] <= split else right for j, split, left, right in self.stumps)
 
 
-
 def fit_stumps(x: np.ndarray, y: np.ndarray, rounds: int = 300, learning_rate: float = 0.1, min_leaf: int = 8,
                l2: float = 1.0) -> tuple[tuple[Stump, ...], float]:
     """Gradient-boosted stumps for the log-loss (Newton steps, an L2 penalty on leaf values): the

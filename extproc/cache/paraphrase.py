@@ -259,17 +259,19 @@ class ParaphraseModel:
 
     def probability(self, features: list[float], pair: np.ndarray | None = None) -> float:
         """The probability that the pair asks for the same answer (``pair``: its ``pair_vector``,
-        needed where the model has a logistic part)."""
-        log_odds = self.stumps_log_odds(features)
+        needed where the model has a logistic part): the stumps' log-odds and the logistic part's,
+        each capped at ``LOGIT_CAP`` either way, averaged (the stumps' alone without the other)."""
+        log_odds = _capped(self._model.log_odds_one(features))
         if self.linear is not None:
             if pair is None:
                 raise ValueError("this model reads the pair's vectors too (pair_vector)")
             log_odds = (log_odds + _capped(float(self.linear.log_odds(pair)))) / 2
         return 1.0 / (1.0 + math.exp(-log_odds))
 
-    def stumps_log_odds(self, features: list[float]) -> float:
-        """The stumps' part: their log-odds, capped at ``LOGIT_CAP`` either way."""
-        return _capped(self._model.log_odds_one(features))
+    def probabilities(self, x: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+        """Each pair's probability (rows of ``pair_features`` and of their ``pair_vector``), one
+        ``probability`` each: training's cross-validation scores pairs as a lookup does."""
+        return np.array([self.probability(list(row), pair) for row, pair in zip(x, pairs, strict=True)])
 
     def same(self, features: list[float], pair: np.ndarray | None = None) -> bool:
         """Whether the pair's features say it is one request."""
