@@ -41,10 +41,8 @@ from bench.common import emit
 from extproc.cache.paraphrase import (
     ENCODER,
     MODEL_PATH,
-    TOKENS,
     Linear,
     ParaphraseModel,
-    Projection,
     pair_features,
     pair_vector,
     read,
@@ -72,54 +70,32 @@ def pairs() -> list[tuple[str, str, bool, str]]:
             if p["a"].strip().lower() not in seen and p["b"].strip().lower() not in seen]
 
 
-def embed_all(embedder_name: str, texts: list[str], progress: Progress
-              ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Each text's vector from ``embedder_name``, and its token states where the embedder gives
-    them (``embed_tokens``; else none)."""
+def embed_all(embedder_name: str, texts: list[str], progress: Progress) -> dict[str, np.ndarray]:
+    """Each text's vector from ``embedder_name``."""
     embedder = build_embedder(embedder_name)
-    embed_tokens = getattr(embedder, "embed_tokens", None)
     task = progress.add_task(f"embedding {len(texts)} prompts ({embedder_name})", total=len(texts))
     vectors: dict[str, np.ndarray] = {}
-    tokens: dict[str, np.ndarray] = {}
     for start in range(0, len(texts), 32):
         chunk = texts[start:start + 32]
-        if embed_tokens is None:
-            vectors.update(zip(chunk, embedder.embed(chunk), strict=True))
-        else:
-            embedded, states = embed_tokens(chunk)
-            vectors.update(zip(chunk, embedded, strict=True))
-            tokens.update(zip(chunk, states, strict=True))
+        vectors.update(zip(chunk, embedder.embed(chunk), strict=True))
         progress.advance(task, len(chunk))
-    return vectors, tokens
+    return vectors
 
 
-def fit_projection(states: list[np.ndarray], dimensions: int) -> Projection:
-    """The principal components of the training prompts' token states (their first ``TOKENS``
-    each, of unit length): the alignment features compare tokens in these ``dimensions`` only.
-    Fewer dimensions cost less to keep, and in cross-validation 64 of them (half the variance)
-    served more than all 384."""
-    stacked = np.vstack([state[:TOKENS] for state in states if len(state)])
-    stacked /= np.linalg.norm(stacked, axis=1, keepdims=True) + 1e-9
-    _, _, directions = np.linalg.svd(stacked - stacked.mean(axis=0), full_matrices=False)
-    return Projection(directions[:dimensions].T.astype(np.float32))
-
-
-def features(embedder_name: str, data: list[tuple[str, str, bool, str]], progress: Progress, dimensions: int
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Projection]:
-    """Each pair's stump features, with ``embedder_name``'s cosine and the alignment of the two
-    prompts' token states (projected on ``dimensions`` principal directions); its ``pair_vector``
-    (the second encoder's vectors too); what the steps before the model say of it: 0 (a veto:
-    never served), 1 (the same words: served), else -1 (the model decides); and the projection."""
+def features(embedder_name: str, data: list[tuple[str, str, bool, str]], progress: Progress
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each pair's stump features, with ``embedder_name``'s cosine; its ``pair_vector`` (the
+    second encoder's vectors too); and what the steps before the model say of it: 0 (a veto: never
+    served), 1 (the same words: served), else -1 (the model decides)."""
     texts = list(dict.fromkeys(t for a, b, *_ in data for t in (a, b)))
-    (vectors, states), (meanings, _) = embed_all(embedder_name, texts, progress), embed_all(ENCODER, texts, progress)
-    projection = fit_projection(list(states.values()), dimensions)
-    read_once = {text: read(text, projection(states[text])) for text in texts}
+    vectors, meanings = embed_all(embedder_name, texts, progress), embed_all(ENCODER, texts, progress)
+    read_once = {text: read(text) for text in texts}
     x = np.array([pair_features(float(vectors[a] @ vectors[b]), read_once[a], read_once[b]) for a, b, *_ in data])
     pair = np.array([pair_vector(row, vectors[a], vectors[b], meanings[a], meanings[b])
                      for row, (a, b, *_) in zip(x, data, strict=True)], dtype=np.float32)
     ruled = np.array([0.0 if veto(read_once[a], read_once[b]) else 1.0 if same_words(read_once[a], read_once[b])
                       else -1.0 for a, b, *_ in data])
-    return x, pair, ruled, projection
+    return x, pair, ruled
 
 
 def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float, steps: int = 30) -> Linear:
@@ -166,14 +142,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precision", type=float, default=0.99)
     parser.add_argument("--rounds", type=int, default=300, help="boosting rounds (stumps)")
     parser.add_argument("--l2", type=float, default=300.0, help="the logistic part's L2 penalty")
-    parser.add_argument("--dimensions", type=int, default=64, help="of the token states the alignment compares")
     parser.add_argument("--write", action="store_true", help=f"write {MODEL_PATH.name}")
     args = parser.parse_args(argv)
     data = pairs()
     same = np.array([s for _, _, s, _ in data], dtype=float)
     files = np.array([name for *_, name in data])
     with Progress(transient=True) as progress:
-        x, pair, ruled, projection = features(args.embedder, data, progress, args.dimensions)
+        x, pair, ruled = features(args.embedder, data, progress)
         learned = ruled < 0  # the model is trained on, and decides, the pairs the steps before it leave open
         held_out = np.where(learned, 0.0, ruled)
         task = progress.add_task("cross-validating, one writer's file held out at a time", total=len(TRAINING))
@@ -189,14 +164,14 @@ def main(argv: list[str] | None = None) -> None:
     points = {p: threshold_for(held_out, same, p) for p in OPERATING_POINTS}
     model = ParaphraseModel(trained.stumps, trained.bias, round(threshold, 6), args.embedder,
                             round(max(0.01, min_cosine - 0.01), 4), trained.linear, ENCODER,
-                            tuple((p, round(t, 6)) for p, (t, _, _) in points.items()), projection)
+                            tuple((p, round(t, 6)) for p, (t, _, _) in points.items()))
     about = {"trained_on": [p.name for p in TRAINING], "pairs": len(data),
              "pairs_vetoed": int((ruled == 0).sum()), "pairs_same_words": int((ruled == 1).sum()),
-             "l2": args.l2, "token_dimensions": args.dimensions,
-             "cross_validated": {"by": "leave one file (writer) out", "precision": round(precision, 4),
-                                 "recall": round(recall, 4),
-                                 "operating_points": {str(p): {"precision": round(held, 4), "recall": round(r, 4)}
-                                                      for p, (_, held, r) in points.items()}},
+             "l2": args.l2, "cross_validated": {"by": "leave one file (writer) out", "precision": round(precision, 4),
+                                                "recall": round(recall, 4),
+                                                "operating_points": {str(p): {"precision": round(held, 4),
+                                                                              "recall": round(r, 4)}
+                                                                     for p, (_, held, r) in points.items()}},
              "trained": datetime.date.today().isoformat()}
     if args.write:
         MODEL_PATH.write_text(model.to_json(**about))

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import numpy as np
-import orjson
 import pytest
 
 from extproc.cache.semantic import Prompt, SemanticIndexes
@@ -127,13 +126,6 @@ def test_a_shared_record_round_trips_and_a_bad_vector_is_refused() -> None:
     # the learned check's second vector travels with it, so no process embeds the prompt again
     meant = Prompt("hello there", prompt.vector, None, np.arange(6, dtype=np.float32) / 6)
     assert np.array_equal(decode(encode("minilm", "t1", meant, b"\x01" * 32))[2].meaning, meant.meaning)
-    # and so do its projected token states (float16, (tokens, dimensions))
-    tokens = (np.arange(12, dtype=np.float32).reshape(4, 3) / 12).astype(np.float16)
-    tokened = decode(encode("minilm", "t1", Prompt("hello there", prompt.vector, None, None, tokens), b"\x01"))[2]
-    assert tokened.tokens is not None and np.array_equal(tokened.tokens, tokens)
-    record = orjson.loads(encode("minilm", "t1", Prompt("x", prompt.vector, None, None, tokens), b"\x02"))
-    with pytest.raises(ValueError, match="token states"):
-        decode(orjson.dumps({**record, "sd": 5}))  # 12 numbers are not rows of 5
     with pytest.raises(ValueError):
         decode(encode("minilm", "t1", Prompt("x", np.array([np.nan], dtype=np.float32), None), b"\x02"))
     with pytest.raises(ValueError):

@@ -16,18 +16,15 @@ from extproc.cache.paraphrase import (
     FEATURES,
     MODEL_PATH,
     ParaphraseModel,
-    Projection,
-    PromptFeatures,
-    alignment,
     pair_features,
     pair_vector,
     read,
     same_words,
     veto,
 )
-from extproc.cache.semantic import Prompt, SemanticIndex, default_check
+from extproc.cache.semantic import SemanticIndex, default_check
 from extproc.config import SemanticCacheSpec
-from extproc.routing.embedders import HashingEmbedder, MiniLMEmbedder, build_embedder
+from extproc.routing.embedders import HashingEmbedder, build_embedder
 from extproc.stumps import fit_stumps
 
 
@@ -65,34 +62,13 @@ def test_the_same_words_are_one_request_but_symbols_count() -> None:
     assert not same_words(read("How do I parse JSON in C#?"), read("How do I parse JSON in C++?"))
 
 
-def _tokens(*rows: list[float]) -> np.ndarray:
-    tokens = np.array(rows, dtype=np.float32)
-    return (tokens / np.linalg.norm(tokens, axis=1, keepdims=True)).astype(np.float16)
-
-
 def test_pair_features_follow_the_feature_names() -> None:
-    first = read("reverse a list in python", _tokens([1, 0, 0], [0, 1, 0]))
-    second = read("in python reverse a list please", _tokens([0, 1, 0], [1, 0, 0], [0, 0, 1]))
-    features = pair_features(0.9, first, second)
+    features = pair_features(0.9, read("reverse a list in python"), read("in python reverse a list please"))
     assert len(features) == len(FEATURES)
     named = dict(zip(FEATURES, features, strict=True))
     assert named["cosine"] == 0.9 and named["fewest_own"] == 0 and named["most_own"] == 1
     assert named["most_own_content"] == 0  # "please" is a function word
     assert named["disorder"] > 0  # "in python" moved
-    assert named["least_aligned"] == 0 and named["least_aligned_other"] == 1  # the third token has no match
-    assert named["unaligned_05"] == 1 and named["unaligned_share_min"] == 0
-    with pytest.raises(ValueError, match="token states"):
-        pair_features(0.9, read("reverse a list in python"), second)
-
-
-def test_the_alignment_finds_each_token_s_nearest_in_the_other_prompt() -> None:
-    same = _tokens([1, 0], [0, 1])
-    aligned = dict(zip(FEATURES[FEATURES.index("aligned"):], alignment(same, same[::-1]), strict=True))
-    assert aligned["aligned"] == pytest.approx(1, abs=1e-3) and aligned["least_aligned"] == pytest.approx(1, abs=1e-3)
-    assert aligned["unaligned_07"] == 0
-    apart = dict(zip(FEATURES[FEATURES.index("aligned"):], alignment(_tokens([1, 0]), _tokens([0, 1])), strict=True))
-    assert apart["aligned"] == 0 and apart["unaligned_05"] == 2 and apart["unaligned_share_max"] == 1
-    assert alignment(_tokens([1, 0]), np.zeros((0, 2), np.float16))[4] == 1  # no tokens: nothing aligned
 
 
 def test_boosted_stumps_learn_a_separable_rule_and_round_trip_through_json(tmp_path: Path) -> None:
@@ -118,17 +94,12 @@ def test_the_logistic_part_learns_from_the_vectors_and_round_trips_through_json(
     linear = fit_logistic(x, y, l2=1.0)
     assert ((linear.log_odds(x) > 0) == y.astype(bool)).mean() > 0.95  # the standardisation is folded in
     stumps, bias = fit_stumps(rng.random((50, len(FEATURES))), (rng.random(50) > 0.5).astype(float), rounds=3)
-    projection = Projection(rng.standard_normal((8, 3)).astype(np.float32))
-    model = ParaphraseModel(stumps, bias, 0.5, "hashing", 0.5, linear, ENCODER, projection=projection)
+    model = ParaphraseModel(stumps, bias, 0.5, "hashing", 0.5, linear, ENCODER)
     path = tmp_path / "model.json"
     path.write_text(model.to_json())
     back = ParaphraseModel.load(path)
     assert back.encoder == ENCODER and back.linear is not None and back.stumps == model.stumps
     assert np.allclose(back.linear.weights, linear.weights, rtol=1e-6) and back.linear.bias == linear.bias
-    assert back.projection == projection  # bit for bit
-    projected = back.project(rng.standard_normal((100, 8)))
-    assert projected.shape == (64, 3) and projected.dtype == np.float16  # the first TOKENS, of unit length
-    assert np.allclose(np.linalg.norm(projected.astype(np.float32), axis=1), 1, atol=1e-2)
     with pytest.raises(ValueError, match="pair_vector"):  # a model with a logistic part reads the vectors
         model.probability([0.5] * len(FEATURES))
 
@@ -145,15 +116,13 @@ NEAR_MISSES = [("What are the benefits of coffee?", "What are the risks of coffe
 def test_the_shipped_model_puts_rewordings_above_near_misses_and_serves_no_near_miss() -> None:
     model = ParaphraseModel.load()
     assert model.encoder is not None
-    embedder, encoder = MiniLMEmbedder(), build_embedder(model.encoder)
+    embedder, encoder = build_embedder(model.embedder), build_embedder(model.encoder)
 
     def judged(a: str, b: str) -> tuple[float, bool]:
-        ((u, v), states), (s, t) = embedder.embed_tokens([a, b]), encoder.embed([a, b])
-        first, second = read(a, model.project(states[0])), read(b, model.project(states[1]))
-        features = pair_features(float(u @ v), first, second)
-        assert not model.accepts(float(u @ v), read(a), read(b), (u, v, s, t))  # no token states: refused
+        (u, v), (s, t) = embedder.embed([a, b]), encoder.embed([a, b])
+        features = pair_features(float(u @ v), read(a), read(b))
         return (model.probability(features, pair_vector(features, u, v, s, t)),
-                model.accepts(float(u @ v), first, second, (u, v, s, t)))
+                model.accepts(float(u @ v), read(a), read(b), (u, v, s, t)))
 
     # Every rewording ranks above every near miss (whether a rewording clears the model's threshold,
     # set at 99% cross-validated precision, is its recall: bench.blind measures it).
@@ -168,7 +137,6 @@ def test_the_shipped_model_was_cross_validated_at_99_percent_precision() -> None
     assert model.embedder == "minilm" and tuple(data["features"]) == FEATURES and model.stumps
     assert model.encoder == ENCODER and model.linear is not None
     assert model.linear.weights.shape == (len(FEATURES) + 1 + 2 * 512 + 2 * 384,)  # USE-m3's 512, MiniLM's 384
-    assert model.projection is not None and model.projection.matrix.shape == (384, data["token_dimensions"])
     assert data["cross_validated"]["precision"] >= 0.99 and 0 < model.threshold <= 1
     assert default_check("minilm") == "learned" and default_check("hashing") == "rules"
     assert default_check("minilm", guard=False) == "none"
@@ -212,18 +180,3 @@ def test_an_operator_picks_the_learned_check_s_operating_point() -> None:
         SemanticCacheSpec(check="rules", precision=0.99)
     with pytest.raises(ValidationError, match="precision"):
         SemanticCacheSpec(precision=0.9)
-
-
-def test_an_index_keeps_each_prompt_s_projected_tokens_and_a_shared_prompt_without_them_gets_them() -> None:
-    index = SemanticIndex(MiniLMEmbedder(), capacity=10, precision=0.98)
-    model = index.model
-    assert model is not None and model.projection is not None
-    dimensions = model.projection.matrix.shape[1]
-    prompt = index.prepare("how do I boil an egg")
-    assert prompt.tokens is not None and prompt.tokens.dtype == np.float16 and prompt.tokens.shape[1] == dimensions
-    assert isinstance(prompt.facts, PromptFeatures) and prompt.facts.tokens is prompt.tokens
-    # a record from a process that shared no token states: they are computed on receipt (without
-    # them the model would refuse every pair but the same words)
-    index.add("t", Prompt(prompt.text, prompt.vector, None, prompt.meaning), b"k1")
-    assert index.match("t", "steps for boiling an egg") is not None
-    assert index.match("t", "how do I poach an egg") is None

@@ -23,12 +23,6 @@ index finds (``SemanticIndex``) is checked in three steps:
   - ``numbers``, ``quoted``, ``code``, ``negation``: whether the numbers, the quoted strings, the code
     identifiers, the count of negations differ (the checks that carry over across topics);
   - ``length``: the squared log ratio of their lengths;
-  - ``aligned`` and the nine after it (``alignment``): how well each prompt's tokens find a match
-    among the other's, token by token, as BERTScore compares texts: the embedder's last hidden
-    states of each token (the same forward pass as its vector), projected on the 64 principal
-    directions of the training prompts' tokens (``Projection``). A synonym finds its match; the
-    one token that changes the request (another entity, task or constraint) does not, and the
-    least aligned token says so where the mean vector barely moves;
 
 - a logistic regression over what the two prompts mean, dimension by dimension (``pair_vector``):
   those features, the cosine of a second, multilingual encoder (``encoder``: the Universal Sentence
@@ -50,12 +44,11 @@ writer's pairs decided by a model fitted on the other writers' only, kept precis
 Reading a prompt's features costs a few regular expressions (linear in its length) and the second
 encoder's forward pass (~2.5 ms, in the embedding thread); checking a pair, tens of microseconds,
 and no more for a long prompt (word order is compared over its first ``DISORDER_WORDS`` shared
-words, tokens over their first ``TOKENS``).
+words).
 """
 
 from __future__ import annotations
 
-import base64
 import itertools
 import math
 import re
@@ -74,10 +67,7 @@ ENCODER = "multilingual"  # the second encoder, whose vectors the logistic part 
 LOGIT_CAP = math.log(1e9)  # each part's log-odds is bounded: neither outvotes the other alone
 DISORDER_WORDS = 64  # shared words whose order is compared (2,016 pairs at most)
 FEATURES = ("cosine", "jaccard", "fewest_own", "most_own", "fewest_own_content", "most_own_content", "disorder",
-            "numbers", "quoted", "code", "negation", "length",
-            "aligned", "least_aligned", "least_aligned_other", "second_least_aligned", "unaligned_05", "unaligned_07",
-            "aligned_min", "aligned_max", "unaligned_share_min", "unaligned_share_max")
-TOKENS = 64  # a prompt's first tokens compared one by one (~2.5 kB kept for a prompt of 20 tokens)
+            "numbers", "quoted", "code", "negation", "length")
 _CJK = CJK
 _WORD = re.compile(rf"[{_CJK}]|\d+(?:[.,]\d+)*|[^\W\d_{_CJK}]+")
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
@@ -138,13 +128,10 @@ class PromptFeatures:
     collapsed: str  # lower-cased, spacing collapsed
     normalised: str  # ... and a closing ?, ! or . dropped
     affirmed: frozenset[str]  # its words with "n't" written out ("doesn't": "does", "not")
-    # its tokens' states as the model projects them (``ParaphraseModel.project``); None: not given
-    tokens: np.ndarray | None = field(default=None, compare=False)
 
 
-def read(text: str, tokens: np.ndarray | None = None) -> PromptFeatures:
-    """``text``'s words (lower-cased), numbers, quoted strings, code identifiers and negations,
-    with its ``tokens`` (projected token states) kept beside them."""
+def read(text: str) -> PromptFeatures:
+    """``text``'s words (lower-cased), numbers, quoted strings, code identifiers and negations."""
     lower = text.lower()
     words = tuple(_WORD.findall(lower))
     quoted = frozenset(" ".join("".join(groups).lower().split()) for groups in _QUOTED.findall(text))
@@ -156,7 +143,7 @@ def read(text: str, tokens: np.ndarray | None = None) -> PromptFeatures:
     collapsed = " ".join(lower.split())
     return PromptFeatures(words, frozenset(_NUMBER.findall(text)), operators, units, quoted,
                           frozenset(_CODE.findall(text)), negations, len(text), collapsed,
-                          collapsed.rstrip("?!.。？！ "), affirmed, tokens)
+                          collapsed.rstrip("?!.。？！ "), affirmed)
 
 
 def _unit(token: str) -> str | None:
@@ -192,10 +179,7 @@ def same_words(a: PromptFeatures, b: PromptFeatures) -> bool:
 
 
 def pair_features(cosine: float, a: PromptFeatures, b: PromptFeatures) -> list[float]:
-    """The classifier's inputs for one pair, in ``FEATURES`` order (``ValueError`` if either
-    prompt was read without its token states)."""
-    if a.tokens is None or b.tokens is None:
-        raise ValueError("the paraphrase check compares the prompts' token states: read them with tokens")
+    """The classifier's inputs for one pair, in ``FEATURES`` order."""
     first, second = set(a.words), set(b.words)
     shared = first & second
     only_a, only_b = first - second, second - first
@@ -204,29 +188,7 @@ def pair_features(cosine: float, a: PromptFeatures, b: PromptFeatures) -> list[f
             float(max(len(only_a), len(only_b))), float(min(content_a, content_b)), float(max(content_a, content_b)),
             _disorder(a.words, b.words), float(a.digits != b.digits), float(a.quoted != b.quoted),
             float(a.code != b.code), float(a.negations != b.negations),
-            math.log((a.chars + 1) / (b.chars + 1)) ** 2, *alignment(a.tokens, b.tokens)]
-
-
-def alignment(first: np.ndarray, second: np.ndarray) -> list[float]:
-    """How well each prompt's tokens find a match among the other's (the cosine of each token's
-    nearest, the greedy matching of BERTScore), in ``FEATURES`` order from ``aligned``: the F1 of
-    the two sides' mean best match; the least aligned token of each side (the side with the lower,
-    then the other), the second least; how many tokens of both find no match above 0.5 and 0.7; the
-    lower and higher side's mean; the lower and higher share of a side's tokens under 0.6. A word
-    swapped for a synonym still finds its match; a different entity, task or constraint does not."""
-    if len(first) == 0 or len(second) == 0:
-        return [0.0, 0.0, 0.0, 0.0, float(len(first) + len(second)), float(len(first) + len(second)),
-                0.0, 0.0, 1.0, 1.0]
-    similarity = first.astype(np.float32) @ second.astype(np.float32).T
-    best_a, best_b = similarity.max(axis=1), similarity.max(axis=0)
-    mean_a, mean_b = float(best_a.mean()), float(best_b.mean())
-    sorted_a, sorted_b = np.sort(best_a), np.sort(best_b)
-    share_a, share_b = float((best_a < 0.6).mean()), float((best_b < 0.6).mean())
-    return [2 * mean_a * mean_b / (mean_a + mean_b + 1e-9), float(min(sorted_a[0], sorted_b[0])),
-            float(max(sorted_a[0], sorted_b[0])),
-            float(min(sorted_a[min(1, len(sorted_a) - 1)], sorted_b[min(1, len(sorted_b) - 1)])),
-            float((best_a < 0.5).sum() + (best_b < 0.5).sum()), float((best_a < 0.7).sum() + (best_b < 0.7).sum()),
-            min(mean_a, mean_b), max(mean_a, mean_b), min(share_a, share_b), max(share_a, share_b)]
+            math.log((a.chars + 1) / (b.chars + 1)) ** 2]
 
 
 def _disorder(first: tuple[str, ...], second: tuple[str, ...]) -> float:
@@ -276,26 +238,6 @@ class Linear:
 
 
 @dataclass(frozen=True, slots=True)
-class Projection:
-    """The linear map from the embedder's token states to the few dimensions the alignment
-    compares ((hidden, dimensions): the training prompts' principal components)."""
-
-    matrix: np.ndarray
-
-    def __call__(self, states: np.ndarray) -> np.ndarray:
-        """A prompt's first ``TOKENS`` token states projected, each of unit length, in float16."""
-        projected = states[:TOKENS].astype(np.float32) @ self.matrix
-        projected /= np.linalg.norm(projected, axis=1, keepdims=True) + 1e-9
-        return projected.astype(np.float16)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Projection) and np.array_equal(self.matrix, other.matrix)
-
-    def __hash__(self) -> int:
-        return hash(self.matrix.shape)
-
-
-@dataclass(frozen=True, slots=True)
 class ParaphraseModel:
     """Boosted stumps over the words (each (feature, split, value if <= split, value if above) adds
     to the log-odds) and, where ``linear`` is given, a logistic regression over the two encoders'
@@ -310,7 +252,6 @@ class ParaphraseModel:
     encoder: str | None = None  # the second encoder ``linear`` reads (``ENCODER``), where it has one
     # (cross-validated precision, the threshold that held it), for operators who want another trade-off
     operating_points: tuple[tuple[float, float], ...] = ()
-    projection: Projection | None = None  # of the token states the alignment features compare
     _model: Stumps = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -332,13 +273,6 @@ class ParaphraseModel:
         ``probability`` each: training's cross-validation scores pairs as a lookup does."""
         return np.array([self.probability(list(row), pair) for row, pair in zip(x, pairs, strict=True)])
 
-    def project(self, states: np.ndarray) -> np.ndarray:
-        """A prompt's token states (the embedder's, ``MiniLMEmbedder.embed_tokens``) as the
-        alignment features compare them: for ``read``."""
-        if self.projection is None:
-            raise ValueError("this paraphrase model has no token projection")
-        return self.projection(states)
-
     def same(self, features: list[float], pair: np.ndarray | None = None) -> bool:
         """Whether the pair's features say it is one request."""
         return self.probability(features, pair) >= self.threshold
@@ -352,8 +286,6 @@ class ParaphraseModel:
             return False
         if same_words(a, b):
             return True
-        if a.tokens is None or b.tokens is None:
-            return False
         features = pair_features(cosine, a, b)
         if self.linear is None:
             return self.same(features)
@@ -378,9 +310,6 @@ class ParaphraseModel:
         linear = {} if self.linear is None else {
             "encoder": self.encoder,
             "linear": {"bias": self.linear.bias, "weights": [float(f"{w:.7g}") for w in self.linear.weights]}}
-        if self.projection is not None:
-            linear["projection"] = {"shape": list(self.projection.matrix.shape),  # float32, little-endian
-                                    "base64": base64.b64encode(self.projection.matrix.astype("<f4").tobytes()).decode()}
         return stumps_json(FEATURES, self.stumps, self.bias, embedder=self.embedder, threshold=self.threshold,
                            min_cosine=self.min_cosine, **linear, **about)
 
@@ -388,12 +317,9 @@ class ParaphraseModel:
     def load(cls, path: Path = MODEL_PATH) -> ParaphraseModel:
         """The shipped model (``ValueError`` if it was trained on other features)."""
         data, trained, bias = load_stumps(path, FEATURES)
-        linear, projection = data.get("linear"), data.get("projection")
+        linear = data.get("linear")
         return cls(trained, bias, float(data["threshold"]), str(data["embedder"]), float(data["min_cosine"]),
                    None if linear is None else Linear(np.array(linear["weights"], dtype=np.float32),
                                                       float(linear["bias"])),
                    data.get("encoder"),
-                   tuple((float(p["precision"]), float(p["threshold"])) for p in data.get("operating_points", ())),
-                   None if projection is None else Projection(
-                       np.frombuffer(base64.b64decode(projection["base64"]), dtype="<f4")
-                       .reshape(projection["shape"]).astype(np.float32)))
+                   tuple((float(p["precision"]), float(p["threshold"])) for p in data.get("operating_points", ())))

@@ -1109,15 +1109,13 @@ def disagreement(a: Facts, b: Facts) -> str | None:
 @dataclass(frozen=True, slots=True)
 class Prompt:
     """A prompt ready to match or store: its text, unit vector and what the check reads of it (the
-    rules' ``Facts``, the learned check's ``PromptFeatures``, its second encoder's vector,
-    ``meaning``, and its projected token states, ``tokens``, kept in its features too; None: not
-    read yet, or no check)."""
+    rules' ``Facts``, the learned check's ``PromptFeatures`` and its second encoder's vector,
+    ``meaning``; None: not read yet, or no check)."""
 
     text: str
     vector: np.ndarray
     facts: Facts | PromptFeatures | None
     meaning: np.ndarray | None = None
-    tokens: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -1185,8 +1183,7 @@ class SemanticIndex:
 
     Memory: up to ``capacity`` x the embedder's dimension x 4 bytes per partition (MiniLM: 1.5 kB
     a prompt, 15 MB at 10,000), plus the texts and their facts, and with the learned check the
-    second encoder's vectors (USE-m3: 2 kB a prompt) and the projected token states (128 bytes a
-    token, 64 tokens at most: 2.5 kB for a prompt of 20).
+    second encoder's vectors (USE-m3: 2 kB a prompt).
 
     ``meaning``: the learned check's second encoder (default: the one its model names, loaded
     here, ~0.3 s: build the index outside the event loop). ``precision``: the learned check's
@@ -1239,24 +1236,15 @@ class SemanticIndex:
         """Each text embedded in one batch."""
         if not texts:
             return []
-        vectors, tokens = self._embed(texts)
+        vectors = self.embedder.embed(texts)
         meanings: list[np.ndarray | None] = (list(self.meaning.embed(texts)) if self.meaning is not None
                                                else [None] * len(texts))
-        return [Prompt(text, vector, self._read(text, projected), meaning, projected)
-                for text, vector, meaning, projected in zip(texts, vectors, meanings, tokens, strict=True)]
+        return [Prompt(text, vector, self._read(text), meaning)
+                for text, vector, meaning in zip(texts, vectors, meanings, strict=True)]
 
-    def _embed(self, texts: list[str]) -> tuple[np.ndarray, list[np.ndarray | None]]:
-        """The texts' vectors and, where the learned check compares them, their projected token
-        states (from the same forward pass)."""
-        embed_tokens = getattr(self.embedder, "embed_tokens", None)
-        if self._model is None or self._model.projection is None or embed_tokens is None:
-            return self.embedder.embed(texts), [None] * len(texts)
-        vectors, states = embed_tokens(texts)
-        return vectors, [self._model.project(state) for state in states]
-
-    def _read(self, text: str, tokens: np.ndarray | None = None) -> Facts | PromptFeatures | None:
+    def _read(self, text: str) -> Facts | PromptFeatures | None:
         if self.check == "learned":
-            return paraphrase.read(text, tokens)
+            return paraphrase.read(text)
         return facts(text) if self.check == "rules" else None
 
     def add(self, partition: str, prompt: str | Prompt, key: bytes) -> None:
@@ -1304,17 +1292,13 @@ class SemanticIndex:
         if isinstance(prompt, str):
             return self.prepare(prompt)
         wanted = PromptFeatures if self.check == "learned" else Facts if self.check == "rules" else type(None)
-        tokens, projection = prompt.tokens, None if self._model is None else self._model.projection
-        if (projection is not None and hasattr(self.embedder, "embed_tokens")
-                and (tokens is None or tokens.shape[1] != projection.matrix.shape[1])):
-            tokens = self._embed([prompt.text])[1][0]  # none shared, or another model's
-        facts = prompt.facts if isinstance(prompt.facts, wanted) else self._read(prompt.text, tokens)
+        facts = prompt.facts if isinstance(prompt.facts, wanted) else self._read(prompt.text)
         meaning = prompt.meaning
         if self.meaning is not None and meaning is None:
             meaning = self.meaning.embed([prompt.text])[0]
-        if facts is prompt.facts and meaning is prompt.meaning and tokens is prompt.tokens:
+        if facts is prompt.facts and meaning is prompt.meaning:
             return prompt
-        return Prompt(prompt.text, prompt.vector, facts, meaning, tokens)
+        return Prompt(prompt.text, prompt.vector, facts, meaning)
 
     def size(self, partition: str) -> int:
         """How many prompts ``partition`` holds."""

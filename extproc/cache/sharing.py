@@ -12,14 +12,12 @@ and one that starts later reads the ones kept (``SHARED_MAXLEN``) before the new
 paraphrase is found by whichever worker or replica it reaches, and only prompts whose answers were
 stored take room in the index.
 
-A shared vector is used as it comes (embedding it again would cost ~8 ms per process), and so are
-the learned check's second vector (``meaning``, USE-m3's) and its projected token states
-(``tokens``, float16); its facts for the check are read from the text again (~80 us), in the
-embedding thread. A record from an
+A shared vector is used as it comes (embedding it again would cost ~8 ms per process), and so is
+the learned check's second vector (``meaning``, USE-m3's); its facts for the check are read from
+the text again (~80 us), in the embedding thread. A record from an
 embedder this process has no index for yet waits (``BACKLOG`` of them at most) until one is
 built. Records are compact JSON with the vectors in base64: ~2.2 kB for MiniLM's 384 dimensions,
-~5 kB with USE-m3's 512 beside them, and ~170 bytes more per token with the token states (64
-dimensions; a 20-token prompt ~8.5 kB in all).
+~5 kB with USE-m3's 512 beside them.
 """
 
 from __future__ import annotations
@@ -111,13 +109,9 @@ def _add_all(indexes: list[SemanticIndex], entries: list[tuple[str, Prompt, byte
 
 def encode(embedder: str, partition: str, prompt: Prompt, key: bytes) -> bytes:
     """A shared prompt as it travels."""
-    record: dict[str, str | int] = {"e": embedder, "p": partition, "t": prompt.text, "k": key.hex(),
-                                    "v": _b64(prompt.vector)}
+    record = {"e": embedder, "p": partition, "t": prompt.text, "k": key.hex(), "v": _b64(prompt.vector)}
     if prompt.meaning is not None:
         record["m"] = _b64(prompt.meaning)
-    if prompt.tokens is not None:  # (tokens, dimensions) in float16
-        record["s"] = base64.b64encode(np.ascontiguousarray(prompt.tokens, dtype="<f2").tobytes()).decode()
-        record["sd"] = int(prompt.tokens.shape[1])
     return orjson.dumps(record)
 
 
@@ -136,13 +130,5 @@ def decode(record: bytes) -> tuple[str, str, Prompt, bytes]:
     """(embedder, partition, prompt without facts, key) of a shared record."""
     raw: dict[str, Any] = orjson.loads(record)
     meaning = _vector(raw["m"]) if "m" in raw else None
-    tokens = _tokens(raw["s"], raw["sd"]) if "s" in raw else None
-    return (str(raw["e"]), str(raw["p"]), Prompt(str(raw["t"]), _vector(raw["v"]), None, meaning, tokens),
+    return (str(raw["e"]), str(raw["p"]), Prompt(str(raw["t"]), _vector(raw["v"]), None, meaning),
             bytes.fromhex(raw["k"]))
-
-
-def _tokens(raw: Any, dimensions: Any) -> np.ndarray:
-    tokens = np.frombuffer(base64.b64decode(raw), dtype="<f2")
-    if not isinstance(dimensions, int) or dimensions < 1 or tokens.size % dimensions or not np.isfinite(tokens).all():
-        raise ValueError("token states that are not (tokens, dimensions) of finite numbers")
-    return tokens.reshape(-1, dimensions).astype(np.float16)

@@ -221,28 +221,18 @@ class MiniLMEmbedder:
 
     def embed(self, texts: list[str]) -> np.ndarray:
         """See ``Embedder.embed``."""
-        return self.embed_tokens(texts)[0]
-
-    def embed_tokens(self, texts: list[str]) -> tuple[np.ndarray, list[np.ndarray]]:
-        """Each text's unit vector (``embed``) and its tokens' last hidden states, [CLS] and
-        [SEP] left out ((tokens, hidden) each, in the text's order): what a comparison token by
-        token reads, from the same forward pass."""
         out = np.zeros((len(texts), self.hidden), dtype=np.float32)
-        tokens: list[np.ndarray] = [np.zeros((0, self.hidden), dtype=np.float32)] * len(texts)
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
         for start in range(0, len(order), self.batch):
             rows = order[start:start + self.batch]
             encodings = self.tokenizer.encode_batch([texts[i] for i in rows])
             ids = np.array([e.ids for e in encodings], dtype=np.int64)
             mask = np.array([e.attention_mask for e in encodings], dtype=np.float32)
-            states = self._forward(ids, mask)
-            out[rows] = (states * mask[:, :, None]).sum(axis=1) / mask.sum(axis=1, keepdims=True)
-            for row, state, length in zip(rows, states, mask.sum(axis=1).astype(int), strict=True):
-                tokens[row] = state[1:length - 1].copy()
-        return _normalise(out), tokens
+            out[rows] = self._forward(ids, mask)
+        return _normalise(out)
 
     def _forward(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """The last hidden states of a padded batch: (batch, length, hidden)."""
+        """Mean-pooled last hidden states of a padded batch: (batch, hidden)."""
         batch, length = ids.shape
         heads, width = self.heads, self.hidden // self.heads
         x = self.words[ids] + self.positions[:length] + self.token_type
@@ -272,7 +262,8 @@ class MiniLMEmbedder:
             mixed += layer.down_bias
             mixed += x
             x = _layer_norm(mixed, *layer.ln2)
-        return x.reshape(batch, length, self.hidden)
+        x = x.reshape(batch, length, self.hidden)
+        return (x * mask[:, :, None]).sum(axis=1) / mask.sum(axis=1, keepdims=True)
 
 
 # ---------------------------------------------------------------------------------------------
