@@ -62,6 +62,19 @@ def test_the_same_words_are_one_request_but_symbols_count() -> None:
     assert not same_words(read("How do I parse JSON in C#?"), read("How do I parse JSON in C++?"))
 
 
+@pytest.mark.parametrize(("first", "second", "same"), [
+    ("What's the capital of France?", "what is the capital of france", True),
+    ("I can't log in to my account", "I cannot log in to my account.", True),
+    ("Why doesn’t my code compile?", "why does not my code compile", True),
+    ("They're asking about taxes", "they are asking about taxes", True),
+    ("It's tail is long", "Its tail is long", False),  # a possessive "'s" is not written out
+    ("The dog's bone", "The dog is bone", False),
+    ("I'd go by train", "I would go by train", False),  # "'d" is had or would: kept
+])
+def test_english_contractions_are_the_same_words(first: str, second: str, same: bool) -> None:
+    assert same_words(read(first), read(second)) is same
+
+
 def test_pair_features_follow_the_feature_names() -> None:
     features = pair_features(0.9, read("reverse a list in python"), read("in python reverse a list please"))
     assert len(features) == len(FEATURES)

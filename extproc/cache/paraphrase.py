@@ -126,7 +126,7 @@ class PromptFeatures:
     negations: int
     chars: int
     collapsed: str  # lower-cased, spacing collapsed
-    normalised: str  # ... and a closing ?, ! or . dropped
+    normalised: str  # ... English contractions written out and a closing ?, ! or . dropped
     affirmed: frozenset[str]  # its words with "n't" written out ("doesn't": "does", "not")
 
 
@@ -143,7 +143,22 @@ def read(text: str) -> PromptFeatures:
     collapsed = " ".join(lower.split())
     return PromptFeatures(words, frozenset(_NUMBER.findall(text)), operators, units, quoted,
                           frozenset(_CODE.findall(text)), negations, len(text), collapsed,
-                          collapsed.rstrip("?!.。？！ "), affirmed)
+                          " ".join(_written_out(collapsed).split()).rstrip("?!.。？！ "), affirmed)
+
+
+# English contractions and what they stand for ("what's" / "what is": one request). A "'s" is
+# written out only after the words where it cannot be a possessive; "'d" (had or would) is kept.
+_CONTRACTIONS = ((re.compile(r"\bcan['’]t\b|\bcannot\b"), "can not"), (re.compile(r"\bwon['’]t\b"), "will not"),
+                 (re.compile(r"\b(\w+)n['’]t\b"), r"\1 not"), (re.compile(r"\b(\w+)['’]re\b"), r"\1 are"),
+                 (re.compile(r"\b(\w+)['’]ve\b"), r"\1 have"), (re.compile(r"\b(\w+)['’]ll\b"), r"\1 will"),
+                 (re.compile(r"\bi['’]m\b"), "i am"), (re.compile(r"\blet['’]s\b"), "let us"),
+                 (re.compile(r"\b(what|where|who|how|when|why|which|it|that|there|here|he|she)['’]s\b"), r"\1 is"))
+
+
+def _written_out(lower: str) -> str:
+    for contraction, meaning in _CONTRACTIONS:
+        lower = contraction.sub(meaning, lower)
+    return lower
 
 
 def _unit(token: str) -> str | None:
@@ -173,8 +188,9 @@ def veto(a: PromptFeatures, b: PromptFeatures) -> str | None:
 
 
 def same_words(a: PromptFeatures, b: PromptFeatures) -> bool:
-    """The same text but for case, spacing and a closing ?, ! or .: one request ("C#" and "C++",
-    "+" and "-" are not the same words)."""
+    """The same text but for case, spacing, English contractions ("what's" / "what is", "don't" /
+    "do not") and a closing ?, ! or .: one request ("C#" and "C++", "+" and "-" are not the same
+    words)."""
     return a.normalised == b.normalised
 
 
