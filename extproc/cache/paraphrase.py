@@ -7,8 +7,8 @@ index finds (``SemanticIndex``) is checked in three steps:
 1. **Vetoes**, the checks that hold whatever the topic: numbers, the arithmetic between them,
    their units, quoted strings, code identifiers, and a negation that is the only difference. A
    pair that differs in any of them asks something else (``veto`` says which and how).
-2. **The same words**: two prompts that differ only in case, spacing or a closing ?, ! or . are one
-   request.
+2. **The same words**: two prompts that differ only in case, spacing, English contractions or a
+   closing ?, ! or . are one request.
 3. **A learned classifier** over the pair decides the rest, from two views of it:
 
 - boosted stumps over what the two texts say word by word (``FEATURES``):
