@@ -139,23 +139,25 @@ def read(text: str) -> PromptFeatures:
     units = frozenset(unit for after, before in _UNIT_TOKEN.findall(lower)
                       if (unit := _unit(after.lstrip("°") or before)))
     operators = frozenset(_OPERATOR.findall(text)) if _has_digit(text) else frozenset()
-    affirmed = frozenset(_WORD.findall(_CONTRACTED.sub(lambda m: _EXPANDED.get(m[0], m[1] + " not"), lower)))
+    not_written_out = _CONTRACTED.sub(lambda m: _EXPANDED.get(m[0], m[1] + " not"), lower)
+    affirmed = frozenset(_WORD.findall(not_written_out))
     collapsed = " ".join(lower.split())
     return PromptFeatures(words, frozenset(_NUMBER.findall(text)), operators, units, quoted,
                           frozenset(_CODE.findall(text)), negations, len(text), collapsed,
-                          " ".join(_written_out(collapsed).split()).rstrip("?!.。？！ "), affirmed)
+                          " ".join(_written_out(not_written_out).split()).rstrip("?!.。？！ "), affirmed)
 
 
-# English contractions and what they stand for ("what's" / "what is": one request). A "'s" is
-# written out only after the words where it cannot be a possessive; "'d" (had or would) is kept.
-_CONTRACTIONS = ((re.compile(r"\bcan['’]t\b|\bcannot\b"), "can not"), (re.compile(r"\bwon['’]t\b"), "will not"),
-                 (re.compile(r"\b(\w+)n['’]t\b"), r"\1 not"), (re.compile(r"\b(\w+)['’]re\b"), r"\1 are"),
+# The English contractions other than "n't" (``_CONTRACTED``, written out first) and what they
+# stand for ("what's" / "what is": one request). A "'s" is written out only after the words where
+# it cannot be a possessive; "'d" (had or would) is kept.
+_CONTRACTIONS = ((re.compile(r"\bcannot\b"), "can not"), (re.compile(r"\b(\w+)['’]re\b"), r"\1 are"),
                  (re.compile(r"\b(\w+)['’]ve\b"), r"\1 have"), (re.compile(r"\b(\w+)['’]ll\b"), r"\1 will"),
                  (re.compile(r"\bi['’]m\b"), "i am"), (re.compile(r"\blet['’]s\b"), "let us"),
                  (re.compile(r"\b(what|where|who|how|when|why|which|it|that|there|here|he|she)['’]s\b"), r"\1 is"))
 
 
 def _written_out(lower: str) -> str:
+    """``lower`` with its "n't" already written out: the other contractions written out too."""
     for contraction, meaning in _CONTRACTIONS:
         lower = contraction.sub(meaning, lower)
     return lower
