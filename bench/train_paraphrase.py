@@ -125,7 +125,6 @@ def fit(x: np.ndarray, pair: np.ndarray, same: np.ndarray, rounds: int, l2: floa
     return ParaphraseModel(stumps, bias, 0.5, linear=fit_logistic(pair, same, l2), encoder=ENCODER)
 
 
-
 def threshold_for(probability: np.ndarray, same: np.ndarray, precision: float) -> tuple[float, float, float]:
     """The lowest threshold whose hits keep ``precision``: (threshold, its precision, recall)."""
     order = np.argsort(-probability, kind="stable")

@@ -235,7 +235,8 @@ class SimPod:
                 self.exit_soon()
 
     def exit_soon(self, delay_s: float = _CRASH_DELAY_S) -> None:
-        """End the process (``crash_after``) once the last answer has left the socket."""
+        """End the process ``delay_s`` from now (``crash_after``: once the last answer has left the
+        socket; ``die_after_tokens``: ``_DIE_DELAY_S``, once the tokens handed out have)."""
         asyncio.get_running_loop().call_later(delay_s, self._exit_process)
 
     def _on_step(self, result: StepResult, scheduler: Scheduler) -> None:
