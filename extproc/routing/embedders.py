@@ -182,60 +182,29 @@ class _Layer:
         self.ln2 = (w[f"{prefix}.output.LayerNorm.weight"], w[f"{prefix}.output.LayerNorm.bias"])
 
 
-class MiniLMEmbedder:
-    """sentence-transformers/all-MiniLM-L6-v2 in numpy: a 6-layer BERT (hidden 384, 12 heads), mean
-    pooling over the attention mask, then L2 normalisation, as the sentence-transformers pipeline
-    does. ``max_tokens`` truncates each text (the model was trained on up to 128 tokens); a batch is
-    padded to its longest text. Trained on English: other languages embed less well.
-    """
+class Bert:
+    """A 6-layer BERT encoder (hidden 384, 12 heads, MiniLM's shape) in numpy, from a
+    safetensors-style weight dict: token ids to last hidden states. Shared by the MiniLM embedder
+    and the semantic cache's pair classifier (``extproc/cache/pairs.py``), which reads two texts
+    at once as segments 0 and 1."""
 
-    name = "minilm"
-    # bench/routing.py (top_k 2): accuracy is within one prompt of its best from 0.26 to 0.32. The
-    # published 0.72 suits near paraphrases: a new prompt of a known intent scores 0.2-0.5 against
-    # its examples, so at 0.72 nearly every prompt fell to the default route (accuracy 17 %).
-    threshold = 0.29
     heads = 12
-    batch = 32  # texts per forward pass, sorted by length so that padding stays short
 
-    def __init__(self, model_dir: Path | None = None, max_tokens: int = 128) -> None:
-        from safetensors.numpy import load_file  # only this embedder needs it
-        from tokenizers import Tokenizer
-
-        if max_tokens < 2:
-            raise ValueError("max_tokens must be >= 2 ([CLS] and [SEP])")
-        model_dir = minilm_model_dir() if model_dir is None else Path(model_dir)
-        for name in ("model.safetensors", "tokenizer.json"):
-            if not (model_dir / name).is_file():
-                raise EmbedderError(f"no {name} in {model_dir}: {_INSTALL_HINT}")
-        weights = load_file(str(model_dir / "model.safetensors"))
-        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        self.max_tokens = max_tokens
-        self.tokenizer.enable_truncation(max_length=max_tokens)
-        self.tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")  # to the batch's longest, not a fixed 128
+    def __init__(self, weights: dict[str, np.ndarray], layers: int = 6) -> None:
         self.words = weights["embeddings.word_embeddings.weight"]
         self.positions = weights["embeddings.position_embeddings.weight"]
-        self.token_type = weights["embeddings.token_type_embeddings.weight"][0]  # one segment only
+        self.token_types = weights["embeddings.token_type_embeddings.weight"]
         self.ln = (weights["embeddings.LayerNorm.weight"], weights["embeddings.LayerNorm.bias"])
-        self.layers = [_Layer(weights, f"encoder.layer.{i}") for i in range(6)]
+        self.layers = [_Layer(weights, f"encoder.layer.{i}") for i in range(layers)]
         self.hidden = self.words.shape[1]
 
-    def embed(self, texts: list[str]) -> np.ndarray:
-        """See ``Embedder.embed``."""
-        out = np.zeros((len(texts), self.hidden), dtype=np.float32)
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-        for start in range(0, len(order), self.batch):
-            rows = order[start:start + self.batch]
-            encodings = self.tokenizer.encode_batch([texts[i] for i in rows])
-            ids = np.array([e.ids for e in encodings], dtype=np.int64)
-            mask = np.array([e.attention_mask for e in encodings], dtype=np.float32)
-            out[rows] = self._forward(ids, mask)
-        return _normalise(out)
-
-    def _forward(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """Mean-pooled last hidden states of a padded batch: (batch, hidden)."""
+    def states(self, ids: np.ndarray, mask: np.ndarray, types: np.ndarray | None = None) -> np.ndarray:
+        """The last hidden states of a padded batch, (batch, length, hidden); ``types``: each
+        token's segment (None: all segment 0)."""
         batch, length = ids.shape
         heads, width = self.heads, self.hidden // self.heads
-        x = self.words[ids] + self.positions[:length] + self.token_type
+        x = self.words[ids] + self.positions[:length]
+        x += self.token_types[0] if types is None else self.token_types[types]
         x = _layer_norm(x.reshape(batch * length, self.hidden), *self.ln)
         # HF BertModel's extended mask: a large negative score for every padded key.
         padded = None if mask.all() else ((1 - mask) * -1e9)[:, None, None, :]
@@ -262,8 +231,60 @@ class MiniLMEmbedder:
             mixed += layer.down_bias
             mixed += x
             x = _layer_norm(mixed, *layer.ln2)
-        x = x.reshape(batch, length, self.hidden)
-        return (x * mask[:, :, None]).sum(axis=1) / mask.sum(axis=1, keepdims=True)
+        return x.reshape(batch, length, self.hidden)
+
+
+def minilm_weights(model_dir: Path | None = None) -> tuple[dict[str, np.ndarray], Path]:
+    """MiniLM's weights and the folder they came from (``EmbedderError`` if the package or a
+    file is missing)."""
+    from safetensors.numpy import load_file  # only MiniLM needs it
+
+    model_dir = minilm_model_dir() if model_dir is None else Path(model_dir)
+    for name in ("model.safetensors", "tokenizer.json"):
+        if not (model_dir / name).is_file():
+            raise EmbedderError(f"no {name} in {model_dir}: {_INSTALL_HINT}")
+    return load_file(str(model_dir / "model.safetensors")), model_dir
+
+
+class MiniLMEmbedder:
+    """sentence-transformers/all-MiniLM-L6-v2 in numpy: a 6-layer BERT (hidden 384, 12 heads), mean
+    pooling over the attention mask, then L2 normalisation, as the sentence-transformers pipeline
+    does. ``max_tokens`` truncates each text (the model was trained on up to 128 tokens); a batch is
+    padded to its longest text. Trained on English: other languages embed less well.
+    """
+
+    name = "minilm"
+    # bench/routing.py (top_k 2): accuracy is within one prompt of its best from 0.26 to 0.32. The
+    # published 0.72 suits near paraphrases: a new prompt of a known intent scores 0.2-0.5 against
+    # its examples, so at 0.72 nearly every prompt fell to the default route (accuracy 17 %).
+    threshold = 0.29
+    batch = 32  # texts per forward pass, sorted by length so that padding stays short
+
+    def __init__(self, model_dir: Path | None = None, max_tokens: int = 128) -> None:
+        from tokenizers import Tokenizer
+
+        if max_tokens < 2:
+            raise ValueError("max_tokens must be >= 2 ([CLS] and [SEP])")
+        weights, model_dir = minilm_weights(model_dir)
+        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.max_tokens = max_tokens
+        self.tokenizer.enable_truncation(max_length=max_tokens)
+        self.tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")  # to the batch's longest, not a fixed 128
+        self.bert = Bert(weights)
+        self.hidden = self.bert.hidden
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """See ``Embedder.embed``."""
+        out = np.zeros((len(texts), self.hidden), dtype=np.float32)
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        for start in range(0, len(order), self.batch):
+            rows = order[start:start + self.batch]
+            encodings = self.tokenizer.encode_batch([texts[i] for i in rows])
+            ids = np.array([e.ids for e in encodings], dtype=np.int64)
+            mask = np.array([e.attention_mask for e in encodings], dtype=np.float32)
+            x = self.bert.states(ids, mask)
+            out[rows] = (x * mask[:, :, None]).sum(axis=1) / mask.sum(axis=1, keepdims=True)
+        return _normalise(out)
 
 
 # ---------------------------------------------------------------------------------------------
