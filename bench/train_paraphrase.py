@@ -4,9 +4,7 @@
 Training data: this project's own labelled pairs, ``bench/data/paraphrases.yaml``,
 ``paraphrases_fresh.yaml`` and ``paraphrases_train_*.yaml`` (32 files, one writer each: paraphrases
 and near misses of every kind, over twenty languages; 11,379 pairs once those sharing a prompt with
-the blind sets are left out). The shipped model was trained on the first 24 files (8,320 pairs, to
-``paraphrases_train_22.yaml``; its file lists them): ``paraphrases_train_23..30.yaml`` came after,
-and a model trained on them too has not been measured on the blind sets.
+the blind sets are left out). The shipped model was trained on all of them.
 The blind sets (``bench/data/blind/``) are not trained on: ``python -m bench.blind`` measures the
 trained model on them afterwards. Only their prompts' texts are read here, so that a training pair
 sharing a prompt with them (a common question both sides wrote) is left out.
@@ -15,14 +13,17 @@ The cosine feature comes from the embedder the model is trained for (``--embedde
 cache's default, ``minilm``): a model is valid only with that embedder. Both parts are fitted: the
 boosted stumps over the words, and the logistic regression over ``pair_vector`` (L2 penalty
 ``--l2``, inputs standardised, Newton steps; the standardisation is folded into the shipped
-weights). The probability threshold is chosen by leave-one-file-out cross-validation (each file is
-one writer's): the lowest that keeps precision at ``--precision`` (99%) on the held-out files, so
-that the shipped model's false-hit rate is estimated on a writer it was not fitted to, as a user's
-traffic is; the steps before the model (vetoes, the same words) are part of what is
-cross-validated, and the model is fitted only on the pairs they leave open. ``min_cosine`` is the
-lowest cosine of a pair the cross-validated model served: the index offers it no candidate below
-that. The thresholds that held 98% and 99.5% are shipped too (``operating_points``: an
-operator's ``semantic.precision``).
+weights). The cross-encoder's votes (``extproc/cache/pairs.py``), cross-validated by
+``python -m bench.train_pair_encoder --folds 4``, join the two parts' cross-validated log-odds
+through a logistic regression (``Stack``; ``--no-cross``: without them). The probability
+threshold is chosen by cross-validation by writer (the two parts: one file held out at a time;
+the cross-encoder: four groups of files): the lowest that keeps precision at ``--precision``
+(99%) on the held-out files, so that the shipped model's false-hit rate is estimated on a writer
+it was not fitted to, as a user's traffic is; the steps before the model (vetoes, the same words)
+are part of what is cross-validated, and the model is fitted only on the pairs they leave open.
+``min_cosine`` is the lowest cosine of a pair the cross-validated model served: the index offers
+it no candidate below that. The thresholds that held 98% and 99.5% are shipped too
+(``operating_points``: an operator's ``semantic.precision``).
 
 Prints one JSON line (the cross-validated precision and recall).
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 from pathlib import Path
 
 import numpy as np
@@ -41,10 +43,12 @@ from rich.progress import Progress
 
 from bench.common import emit
 from extproc.cache.paraphrase import (
+    CROSS_CAP,
     ENCODER,
     MODEL_PATH,
     Linear,
     ParaphraseModel,
+    Stack,
     pair_features,
     pair_vector,
     read,
@@ -54,6 +58,8 @@ from extproc.cache.paraphrase import (
 from extproc.config.schema import OPERATING_POINTS  # the cross-validated precisions an operator may ask for
 from extproc.routing.embedders import build_embedder
 from extproc.stumps import fit_stumps
+
+FOLDS_PATH = Path(__file__).parent / "data" / "pair_encoder_folds.json"  # bench.train_pair_encoder writes it
 
 DATA = Path(__file__).parent / "data"
 BLIND = DATA / "blind"  # only their prompts' texts are read here, to leave those out of training
@@ -119,6 +125,26 @@ def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float, steps: int = 30) -> Li
     return Linear(weights.astype(np.float32), float(w[-1] - weights @ mean))
 
 
+def cross_votes(data: list[tuple[str, str, bool, str]], path: Path) -> np.ndarray:
+    """The cross-encoder's vote for each pair (``PairEncoder.votes``: the mean of its log-odds read
+    both ways), from models that never saw its writer (``python -m bench.train_pair_encoder
+    --folds 4`` wrote them to ``path``)."""
+    from bench.train_pair_encoder import pairs_digest
+
+    folds = json.loads(path.read_text())
+    if folds["pairs_digest"] != pairs_digest(data):
+        raise SystemExit(f"{path} scores other pairs than these: run python -m bench.train_pair_encoder "
+                         f"--folds {folds['folds']} again")
+    votes = (np.array(folds["logit"], dtype=float) + np.array(folds["swapped"], dtype=float)) / 2
+    return np.clip(votes, -CROSS_CAP, CROSS_CAP)
+
+
+def fit_stack(words_and_vectors: np.ndarray, cross: np.ndarray, same: np.ndarray) -> Stack:
+    """The logistic regression that joins the two votes (each a cross-validated log-odds)."""
+    joined = fit_logistic(np.column_stack([words_and_vectors, cross]), same, l2=1.0)
+    return Stack(round(float(joined.weights[0]), 6), round(float(joined.weights[1]), 6), round(joined.bias, 6))
+
+
 def fit(x: np.ndarray, pair: np.ndarray, same: np.ndarray, rounds: int, l2: float) -> ParaphraseModel:
     """Both parts fitted on these pairs (threshold and floor not set yet)."""
     stumps, bias = fit_stumps(x, same, rounds=rounds)
@@ -143,6 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precision", type=float, default=0.99)
     parser.add_argument("--rounds", type=int, default=300, help="boosting rounds (stumps)")
     parser.add_argument("--l2", type=float, default=300.0, help="the logistic part's L2 penalty")
+    parser.add_argument("--cross", type=Path, default=FOLDS_PATH,
+                        help="the cross-encoder's cross-validated votes (bench.train_pair_encoder --folds)")
+    parser.add_argument("--no-cross", action="store_true", help="no cross-encoder: the words and vectors alone")
     parser.add_argument("--write", action="store_true", help=f"write {MODEL_PATH.name}")
     args = parser.parse_args(argv)
     data = pairs()
@@ -151,13 +180,19 @@ def main(argv: list[str] | None = None) -> None:
     with Progress(transient=True) as progress:
         x, pair, ruled = features(args.embedder, data, progress)
         learned = ruled < 0  # the model is trained on, and decides, the pairs the steps before it leave open
-        held_out = np.where(learned, 0.0, ruled)
+        log_odds = np.zeros(len(data))
         task = progress.add_task("cross-validating, one writer's file held out at a time", total=len(TRAINING))
         for name in dict.fromkeys(files):
             train, test = learned & (files != name), learned & (files == name)
-            held_out[test] = fit(x[train], pair[train], same[train], args.rounds, args.l2).probabilities(
+            log_odds[test] = fit(x[train], pair[train], same[train], args.rounds, args.l2).log_odds_many(
                 x[test], pair[test])
             progress.advance(task)
+        stack = None
+        if not args.no_cross:
+            cross = cross_votes(data, args.cross)
+            stack = fit_stack(log_odds[learned], cross[learned], same[learned])
+            log_odds = stack.words_and_vectors * log_odds + stack.cross * cross + stack.bias
+        held_out = np.where(learned, 1.0 / (1.0 + np.exp(-log_odds)), ruled)
         threshold, precision, recall = threshold_for(held_out, same, args.precision)
         served = learned & (held_out >= threshold)
         min_cosine = float(x[served, 0].min()) if served.any() else 1.0
@@ -165,14 +200,16 @@ def main(argv: list[str] | None = None) -> None:
     points = {p: threshold_for(held_out, same, p) for p in OPERATING_POINTS}
     model = ParaphraseModel(trained.stumps, trained.bias, round(threshold, 6), args.embedder,
                             round(max(0.01, min_cosine - 0.01), 4), trained.linear, ENCODER,
-                            tuple((p, round(t, 6)) for p, (t, _, _) in points.items()))
+                            tuple((p, round(t, 6)) for p, (t, _, _) in points.items()), stack)
     about = {"trained_on": [p.name for p in TRAINING], "pairs": len(data),
              "pairs_vetoed": int((ruled == 0).sum()), "pairs_same_words": int((ruled == 1).sum()),
-             "l2": args.l2, "cross_validated": {"by": "leave one file (writer) out", "precision": round(precision, 4),
-                                                "recall": round(recall, 4),
-                                                "operating_points": {str(p): {"precision": round(held, 4),
-                                                                              "recall": round(r, 4)}
-                                                                     for p, (_, held, r) in points.items()}},
+             "l2": args.l2, "cross_encoder": None if stack is None else args.cross.name,
+             "cross_validated": {
+                 "by": "leave one file (writer) out" + ("" if stack is None else
+                                                        "; the cross-encoder: four groups of writers"),
+                 "precision": round(precision, 4), "recall": round(recall, 4),
+                 "operating_points": {str(p): {"precision": round(held, 4), "recall": round(r, 4)}
+                                      for p, (_, held, r) in points.items()}},
              "trained": datetime.date.today().isoformat()}
     if args.write:
         MODEL_PATH.write_text(model.to_json(**about))

@@ -1,9 +1,11 @@
 """The semantic cache's paraphrase check (``extproc.cache.paraphrase``): what it reads of a prompt,
-its vetoes, the same-words rule, the boosted stumps, and the model shipped with the package."""
+its vetoes, the same-words rule, the boosted stumps, the cross-encoder (``extproc.cache.pairs``)
+and the models shipped with the package."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -11,11 +13,13 @@ import pytest
 from pydantic import ValidationError
 
 from bench.train_paraphrase import fit_logistic
+from extproc.cache.pairs import ADAPTER_PATH, PairEncoder, adapted_weights
 from extproc.cache.paraphrase import (
     ENCODER,
     FEATURES,
     MODEL_PATH,
     ParaphraseModel,
+    Stack,
     pair_features,
     pair_vector,
     read,
@@ -126,16 +130,20 @@ NEAR_MISSES = [("What are the benefits of coffee?", "What are the risks of coffe
                ("Write a haiku about autumn", "Write a limerick about autumn")]
 
 
-def test_the_shipped_model_puts_rewordings_above_near_misses_and_serves_no_near_miss() -> None:
+def test_the_shipped_model_puts_rewordings_above_near_misses_and_serves_no_near_miss(
+        pair_encoder: PairEncoder) -> None:
     model = ParaphraseModel.load()
     assert model.encoder is not None
     embedder, encoder = build_embedder(model.embedder), build_embedder(model.encoder)
 
+    cross = pair_encoder
+
     def judged(a: str, b: str) -> tuple[float, bool]:
         (u, v), (s, t) = embedder.embed([a, b]), encoder.embed([a, b])
         features = pair_features(float(u @ v), read(a), read(b))
-        return (model.probability(features, pair_vector(features, u, v, s, t)),
-                model.accepts(float(u @ v), read(a), read(b), (u, v, s, t)))
+        vote = float(cross.votes([(a, b)])[0])
+        return (model.probability(features, pair_vector(features, u, v, s, t), vote),
+                model.accepts(float(u @ v), read(a), read(b), (u, v, s, t), lambda: vote))
 
     # Every rewording ranks above every near miss (whether a rewording clears the model's threshold,
     # set at 99% cross-validated precision, is its recall: bench.blind measures it).
@@ -151,6 +159,7 @@ def test_the_shipped_model_was_cross_validated_at_99_percent_precision() -> None
     assert model.encoder == ENCODER and model.linear is not None
     assert model.linear.weights.shape == (len(FEATURES) + 1 + 2 * 512 + 2 * 384,)  # USE-m3's 512, MiniLM's 384
     assert data["cross_validated"]["precision"] >= 0.99 and 0 < model.threshold <= 1
+    assert model.stack is not None and model.stack.cross > 0  # the cross-encoder's vote counts, for "same"
     assert default_check("minilm") == "learned" and default_check("hashing") == "rules"
     assert default_check("minilm", guard=False) == "none"
 
@@ -174,6 +183,7 @@ def test_an_index_with_the_learned_check_vetoes_and_serves_the_same_words() -> N
 def test_the_learned_check_reads_the_process_s_one_multilingual_encoder_and_embeds_each_prompt_with_it() -> None:
     index = SemanticIndex(_MiniLMNamed(), threshold=0.3, capacity=10)
     assert index.meaning is build_embedder("multilingual")  # the one semantic routing loads: ~120 MB once
+    assert index.pairs is SemanticIndex(_MiniLMNamed(), precision=0.995).pairs  # one cross-encoder a process
     prompt = index.prepare("¿Cómo invierto una lista en Python?")
     assert prompt.meaning is not None and prompt.meaning.shape == (512,)
     assert abs(float(np.linalg.norm(prompt.meaning)) - 1.0) < 1e-4
@@ -193,3 +203,91 @@ def test_an_operator_picks_the_learned_check_s_operating_point() -> None:
         SemanticCacheSpec(check="rules", precision=0.99)
     with pytest.raises(ValidationError, match="precision"):
         SemanticCacheSpec(precision=0.9)
+
+
+@pytest.fixture(scope="module")
+def pair_encoder() -> PairEncoder:
+    return PairEncoder()
+
+
+def test_adapters_fold_into_the_base_weights() -> None:
+    base = {"w.weight": np.eye(2, dtype=np.float32), "n.weight": np.ones(2, dtype=np.float32),
+            "kept": np.zeros(3, dtype=np.float32)}
+    a, b = np.array([[1.0, 2.0]], dtype=np.float16), np.array([[1.0], [0.0]], dtype=np.float16)
+    adapter = {"lora_scale": np.float32(2.0), "w.weight.lora_a": a, "w.weight.lora_b": b,
+               "n.weight": np.full(2, 3.0, dtype=np.float32), "head.weight": np.ones((1, 4)),
+               "check.logit": np.zeros(1)}
+    weights = adapted_weights(base, adapter)
+    np.testing.assert_allclose(weights["w.weight"], [[3.0, 4.0], [0.0, 1.0]])  # W + 2 * B @ A
+    np.testing.assert_allclose(weights["n.weight"], [3.0, 3.0])  # a retrained LayerNorm replaces the base's
+    assert weights["kept"] is base["kept"] and "head.weight" not in weights and "check.logit" not in weights
+    assert set(weights) == set(base)
+
+
+def test_the_cross_encoder_reproduces_its_trainer_s_log_odds(pair_encoder: PairEncoder) -> None:
+    # The trainer (torch) scored these pairs and shipped its log-odds with the adapters: the numpy
+    # forward pass, with the adapters folded in, must agree.
+    assert len(pair_encoder.checks) == 16 and ADAPTER_PATH.stat().st_size < 2_000_000
+    logits = pair_encoder.logits([(a, b) for a, b, _ in pair_encoder.checks])
+    np.testing.assert_allclose(logits, [logit for *_, logit in pair_encoder.checks], atol=2e-3)
+
+
+def test_the_cross_encoder_scores_a_pair_alike_alone_and_in_a_padded_batch(pair_encoder: PairEncoder) -> None:
+    pairs = [("Is every square a rectangle?", "Is every rectangle a square?"),
+             ("How do I reverse a list in Python?", "how can i reverse a python list, keeping the original one")]
+    together = pair_encoder.logits(pairs)
+    np.testing.assert_allclose(together, [pair_encoder.logits([pair])[0] for pair in pairs], atol=1e-4)
+    assert pair_encoder.logits([]).shape == (0,)
+
+
+def test_the_cross_encoder_reads_which_way_a_relation_runs(pair_encoder: PairEncoder) -> None:
+    # The same words in another order: a near miss the vectors of each prompt alone cannot see.
+    reversed_ = pair_encoder.votes([("Is every square a rectangle?", "Is every rectangle a square?"),
+                                    ("Convert 5 miles to kilometers", "Convert 5 kilometers to miles")])
+    reworded = pair_encoder.votes([("Is every square a rectangle?", "Are all squares rectangles?"),
+                                   ("Convert 5 miles to kilometers", "How many kilometers are 5 miles?")])
+    assert reworded.min() > reversed_.max()
+    # A vote reads the pair both ways: which prompt was stored first does not change it.
+    np.testing.assert_allclose(pair_encoder.votes([("Are all squares rectangles?", "Is every square a rectangle?")]),
+                               reworded[:1], atol=1e-4)
+
+
+def test_a_stacked_model_asks_the_cross_encoder_only_where_it_decides(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    stumps, bias = fit_stumps(rng.random((50, len(FEATURES))), (rng.random(50) > 0.5).astype(float), rounds=3)
+    model = ParaphraseModel(stumps, bias, 0.5, "hashing", 0.5, stack=Stack(0.5, 1.0, 0.0))
+    asked: list[int] = []
+
+    def vote(log_odds: float) -> Callable[[], float]:
+        def ask() -> float:
+            asked.append(1)
+            return log_odds
+        return ask
+
+    a, b = read("What is 17 x 23?"), read("What is 17 x 24?")
+    assert not model.accepts(0.9, a, b, cross=vote(50.0)) and not asked  # a veto: no forward pass
+    assert model.accepts(0.9, a, read("what is 17 x 23"), cross=vote(-50.0)) and not asked  # the same words
+    c, d = read("Is every square a rectangle?"), read("Is every rectangle a square?")
+    assert not model.accepts(0.9, c, d)  # a stacked model refuses a pair it cannot ask about
+    assert model.accepts(0.9, c, d, cross=vote(50.0)) and not model.accepts(0.9, c, d, cross=vote(-50.0))
+    assert len(asked) == 2
+    with pytest.raises(ValueError, match="cross-encoder"):
+        model.probability([0.5] * len(FEATURES))
+    # Where the other parts' vote is further from the threshold than the cross-encoder's bounded
+    # vote (8 x its weight) can move it, the pair is decided without its forward pass.
+    for bias, served in ((5.0, True), (-5.0, False)):
+        sure = ParaphraseModel((), bias, 0.5, "hashing", 0.5, stack=Stack(1.0, 0.5, 0.0))
+        assert sure.accepts(0.9, c, d, cross=vote(-50.0 if served else 50.0)) is served
+        assert sure.same([0.5] * len(FEATURES), cross=-50.0 if served else 50.0) is served  # even at its worst
+    assert len(asked) == 2
+    path = tmp_path / "model.json"
+    path.write_text(model.to_json())
+    assert ParaphraseModel.load(path).stack == Stack(0.5, 1.0, 0.0)
+
+
+def test_an_index_asks_the_cross_encoder_about_a_reversed_relation() -> None:
+    index = SemanticIndex(build_embedder("minilm"), capacity=10)
+    index.add("t", "Is every square a rectangle?", b"k1")
+    assert index.match("t", "Is every rectangle a square?") is None  # the same words, the other way round
+    match = index.match("t", "Are all squares rectangles?")
+    assert match is not None and match.key == b"k1"

@@ -30,8 +30,13 @@ index finds (``SemanticIndex``) is checked in three steps:
   each encoder the element-wise product and absolute difference of the two vectors (which
   dimensions agree, which part ways: the pair classifier of InferSent and sentence-BERT).
 
-The pair's probability is the sigmoid of the two log-odds' mean: the words vouch for the form of
-the request, the vectors for its meaning.
+The mean of the two log-odds is the words' and vectors' vote: the words vouch for the form of the
+request, the vectors for its meaning. Both read each prompt apart; what changes the answer while
+keeping every word ("Is every square a rectangle?" / "Is every rectangle a square?") shows only
+when the two are read together, so a cross-encoder does that (``extproc.cache.pairs``: MiniLM
+with trained adapters, over ``[CLS] query [SEP] stored [SEP]``), and its log-odds joins the vote
+(``Stack``: a logistic regression over the two, fitted on votes cross-validated by writer). The
+pair's probability is the sigmoid of the result.
 
 Step 2 comes before the model because the pairs it learned from hold no pair that close, and a
 stump on the cosine learned that a near miss's cosine is often the highest.
@@ -42,9 +47,10 @@ pairs (``bench/data/paraphrases*.yaml``), never on the blind sets, and shipped a
 must reach the model's own ``threshold``: the one where cross-validation of all three steps, each
 writer's pairs decided by a model fitted on the other writers' only, kept precision at 99%.
 Reading a prompt's features costs a few regular expressions (linear in its length) and the second
-encoder's forward pass (~2.5 ms, in the embedding thread); checking a pair, tens of microseconds,
-and no more for a long prompt (word order is compared over its first ``DISORDER_WORDS`` shared
-words).
+encoder's forward pass (~2.5 ms, in the embedding thread); checking a pair, tens of microseconds
+(word order is compared over its first ``DISORDER_WORDS`` shared words) and, where no veto or the
+same words decided, the cross-encoder's forward pass over both prompts (milliseconds, up to 128
+tokens).
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ import itertools
 import math
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -65,6 +71,9 @@ from extproc.stumps import Stump, Stumps, load_stumps, stumps_json
 MODEL_PATH = Path(__file__).with_name("paraphrase_model.json")
 ENCODER = "multilingual"  # the second encoder, whose vectors the logistic part compares
 LOGIT_CAP = math.log(1e9)  # each part's log-odds is bounded: neither outvotes the other alone
+# The cross-encoder's vote is bounded tighter (every cross-validated vote was within 7.95 of 0), so
+# that a pair the other parts decide by a wide margin needs no forward pass (``ParaphraseModel.accepts``).
+CROSS_CAP = 8.0
 DISORDER_WORDS = 64  # shared words whose order is compared (2,016 pairs at most)
 FEATURES = ("cosine", "jaccard", "fewest_own", "most_own", "fewest_own_content", "most_own_content", "disorder",
             "numbers", "quoted", "code", "negation", "length")
@@ -232,6 +241,10 @@ def pair_vector(features: Sequence[float], first: np.ndarray, second: np.ndarray
                            np.abs(first - second), first * second])
 
 
+def _sigmoid(log_odds: float) -> float:
+    return 1.0 / (1.0 + math.exp(-log_odds))
+
+
 def _capped(log_odds: float) -> float:
     return min(LOGIT_CAP, max(-LOGIT_CAP, log_odds))
 
@@ -256,6 +269,17 @@ class Linear:
 
 
 @dataclass(frozen=True, slots=True)
+class Stack:
+    """How the cross-encoder's vote joins the others': ``words_and_vectors`` times their log-odds
+    (the mean of the stumps' and the logistic part's) plus ``cross`` times the cross-encoder's,
+    plus ``bias`` (a logistic regression over the two votes, fitted on cross-validated ones)."""
+
+    words_and_vectors: float
+    cross: float
+    bias: float
+
+
+@dataclass(frozen=True, slots=True)
 class ParaphraseModel:
     """Boosted stumps over the words (each (feature, split, value if <= split, value if above) adds
     to the log-odds) and, where ``linear`` is given, a logistic regression over the two encoders'
@@ -270,46 +294,73 @@ class ParaphraseModel:
     encoder: str | None = None  # the second encoder ``linear`` reads (``ENCODER``), where it has one
     # (cross-validated precision, the threshold that held it), for operators who want another trade-off
     operating_points: tuple[tuple[float, float], ...] = ()
+    stack: Stack | None = None  # where the cross-encoder (``extproc.cache.pairs``) votes too
     _model: Stumps = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_model", Stumps(self.stumps, self.bias))
 
-    def probability(self, features: list[float], pair: np.ndarray | None = None) -> float:
-        """The probability that the pair asks for the same answer (``pair``: its ``pair_vector``,
-        needed where the model has a logistic part): the stumps' log-odds and the logistic part's,
-        each capped at ``LOGIT_CAP`` either way, averaged (the stumps' alone without the other)."""
-        log_odds = _capped(self._model.log_odds_one(features))
+    def log_odds(self, features: Sequence[float], pair: np.ndarray | None = None) -> float:
+        """The words' and vectors' vote: the stumps' log-odds and the logistic part's (``pair``:
+        the ``pair_vector``, needed where the model has one), each capped at ``LOGIT_CAP`` either
+        way, averaged (the stumps' alone without the other)."""
+        log_odds = _capped(self._model.log_odds_one(list(features)))
         if self.linear is not None:
             if pair is None:
                 raise ValueError("this model reads the pair's vectors too (pair_vector)")
             log_odds = (log_odds + _capped(float(self.linear.log_odds(pair)))) / 2
-        return 1.0 / (1.0 + math.exp(-log_odds))
+        return log_odds
 
-    def probabilities(self, x: np.ndarray, pairs: np.ndarray) -> np.ndarray:
-        """Each pair's probability (rows of ``pair_features`` and of their ``pair_vector``), one
-        ``probability`` each: training's cross-validation scores pairs as a lookup does."""
-        return np.array([self.probability(list(row), pair) for row, pair in zip(x, pairs, strict=True)])
+    def log_odds_many(self, x: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+        """Each pair's ``log_odds`` (rows of ``pair_features`` and of their ``pair_vector``), one
+        at a time: training's cross-validation scores pairs as a lookup does."""
+        return np.array([self.log_odds(row, pair) for row, pair in zip(x, pairs, strict=True)])
 
-    def same(self, features: list[float], pair: np.ndarray | None = None) -> bool:
+    def probability(self, features: Sequence[float], pair: np.ndarray | None = None,
+                    cross: float | None = None) -> float:
+        """The probability that the pair asks for the same answer: ``log_odds``, joined by the
+        cross-encoder's log-odds (``cross``, needed where the model has a ``stack``)."""
+        log_odds = self.log_odds(features, pair)
+        if self.stack is not None:
+            if cross is None:
+                raise ValueError("this model reads the cross-encoder's vote too (extproc.cache.pairs)")
+            log_odds = self.stack.words_and_vectors * log_odds + self.stack.bias + self.stack.cross * min(
+                CROSS_CAP, max(-CROSS_CAP, cross))
+        return _sigmoid(log_odds)
+
+    def same(self, features: Sequence[float], pair: np.ndarray | None = None, cross: float | None = None) -> bool:
         """Whether the pair's features say it is one request."""
-        return self.probability(features, pair) >= self.threshold
+        return self.probability(features, pair, cross) >= self.threshold
 
     def accepts(self, cosine: float, a: PromptFeatures, b: PromptFeatures,
-                vectors: tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None] | None = None) -> bool:
+                vectors: tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None] | None = None,
+                cross: Callable[[], float] | None = None) -> bool:
         """Whether ``b``'s stored answer is served for ``a``: no veto, and the same words or the
         model's yes. ``vectors``: ``a``'s and ``b``'s embedder vectors, then their second
-        encoder's (a model with a logistic part refuses a pair without them)."""
+        encoder's (a model with a logistic part refuses a pair without them); ``cross``: the
+        cross-encoder's vote on (``a``, ``b``), asked only where it can change the answer (a
+        model with a ``stack`` refuses such a pair without it)."""
         if veto(a, b) is not None:
             return False
         if same_words(a, b):
             return True
         features = pair_features(cosine, a, b)
-        if self.linear is None:
-            return self.same(features)
-        if vectors is None or vectors[2] is None or vectors[3] is None:
+        pair = None
+        if self.linear is not None:
+            if vectors is None or vectors[2] is None or vectors[3] is None:
+                return False
+            pair = pair_vector(features, vectors[0], vectors[1], vectors[2], vectors[3])
+        if self.stack is None:
+            return self.same(features, pair)
+        # The cross-encoder can move the vote by at most ``CROSS_CAP`` times its weight: outside
+        # that margin of the threshold the other parts decide, and its forward pass is spared.
+        others = self.stack.words_and_vectors * self.log_odds(features, pair) + self.stack.bias
+        margin = abs(self.stack.cross) * CROSS_CAP
+        if _sigmoid(others - margin) >= self.threshold:
+            return True
+        if _sigmoid(others + margin) < self.threshold or cross is None:
             return False
-        return self.same(features, pair_vector(features, vectors[0], vectors[1], vectors[2], vectors[3]))
+        return self.same(features, pair, cross())
 
     def at_precision(self, precision: float) -> ParaphraseModel:
         """The model with the threshold that held ``precision`` in cross-validation (``ValueError``
@@ -328,6 +379,9 @@ class ParaphraseModel:
         linear = {} if self.linear is None else {
             "encoder": self.encoder,
             "linear": {"bias": self.linear.bias, "weights": [float(f"{w:.7g}") for w in self.linear.weights]}}
+        if self.stack is not None:
+            linear["stack"] = {"words_and_vectors": self.stack.words_and_vectors, "cross": self.stack.cross,
+                               "bias": self.stack.bias}
         return stumps_json(FEATURES, self.stumps, self.bias, embedder=self.embedder, threshold=self.threshold,
                            min_cosine=self.min_cosine, **linear, **about)
 
@@ -335,9 +389,11 @@ class ParaphraseModel:
     def load(cls, path: Path = MODEL_PATH) -> ParaphraseModel:
         """The shipped model (``ValueError`` if it was trained on other features)."""
         data, trained, bias = load_stumps(path, FEATURES)
-        linear = data.get("linear")
+        linear, stack = data.get("linear"), data.get("stack")
         return cls(trained, bias, float(data["threshold"]), str(data["embedder"]), float(data["min_cosine"]),
                    None if linear is None else Linear(np.array(linear["weights"], dtype=np.float32),
                                                       float(linear["bias"])),
                    data.get("encoder"),
-                   tuple((float(p["precision"]), float(p["threshold"])) for p in data.get("operating_points", ())))
+                   tuple((float(p["precision"]), float(p["threshold"])) for p in data.get("operating_points", ())),
+                   None if stack is None else Stack(float(stack["words_and_vectors"]), float(stack["cross"]),
+                                                    float(stack["bias"])))
