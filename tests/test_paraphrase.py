@@ -291,3 +291,24 @@ def test_an_index_asks_the_cross_encoder_about_a_reversed_relation() -> None:
     assert index.match("t", "Is every rectangle a square?") is None  # the same words, the other way round
     match = index.match("t", "Are all squares rectangles?")
     assert match is not None and match.key == b"k1"
+
+
+def test_the_cross_encoder_runs_outside_the_index_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    # add() runs on the event loop (a stored answer's prompt): it must never wait on a forward pass.
+    index = SemanticIndex(_MiniLMNamed(), threshold=0.01, capacity=10)
+    index._model = ParaphraseModel((), 0.0, 0.5, "minilm", 0.01, stack=Stack(1.0, 1.0, 0.0))
+    index.add("t", "Is every square a rectangle?", b"k1")
+    free: list[bool] = []
+
+    def cross(query: str, stored: str) -> Callable[[], float]:
+        def vote() -> float:
+            free.append(index._lock.acquire(blocking=False))
+            if free[-1]:
+                index._lock.release()
+            index.add("t", "another prompt, stored meanwhile", b"k2")
+            return 8.0
+        return vote
+
+    monkeypatch.setattr(index, "_cross", cross)
+    match = index.match("t", "Is every rectangle a square?")
+    assert free == [True] and match is not None and match.key == b"k1" and index.size("t") == 2

@@ -1264,7 +1264,8 @@ class SemanticIndex:
     def match(self, partition: str, prompt: str | Prompt) -> Match | None:
         """The most similar prompt of ``partition`` that reaches the threshold and that the
         guard accepts, or None. Only ``candidates`` prompts above the threshold are offered to
-        the guard, best first."""
+        the guard, best first, once the lock is released: the cross-encoder's forward pass takes
+        milliseconds, and ``add`` runs on the event loop."""
         prepared = self._prepared(prompt)
         with self._lock:
             part = self._partitions.get(partition)
@@ -1274,20 +1275,23 @@ class SemanticIndex:
             above = np.flatnonzero(scores >= self.threshold)
             if above.size > self.candidates:
                 above = above[np.argpartition(-scores[above], self.candidates - 1)[:self.candidates]]
-            for row in above[np.argsort(-scores[above], kind="stable")]:
-                if self._accepts(prepared, part, int(row), float(scores[row])):
-                    return Match(part.keys[row], round(float(scores[row]), 4), part.texts[row])
-            return None
+            # Copied out: a row may be overwritten by the time it is checked.
+            best_first = above[np.argsort(-scores[above], kind="stable")]
+            candidates = [(Prompt(part.texts[row], part.vectors[row].copy(), part.facts[row], part.meanings[row]),
+                           part.keys[row], float(scores[row])) for row in best_first]
+        for stored, key, cosine in candidates:
+            if self._accepts(prepared, stored, cosine):
+                return Match(key, round(cosine, 4), stored.text)
+        return None
 
-    def _accepts(self, query: Prompt, part: _Partition, row: int, cosine: float) -> bool:
-        """Whether the check serves the answer of ``part``'s prompt at ``row`` for ``query`` (both
-        read by ``_read``)."""
-        stored = part.facts[row]
-        if self._model is not None and isinstance(query.facts, PromptFeatures) and isinstance(stored, PromptFeatures):
-            vectors = (query.vector, part.vectors[row], query.meaning, part.meanings[row])
-            return self._model.accepts(cosine, query.facts, stored, vectors, self._cross(query.text, part.texts[row]))
-        if self.check == "rules" and isinstance(query.facts, Facts) and isinstance(stored, Facts):
-            return disagreement(query.facts, stored) is None
+    def _accepts(self, query: Prompt, stored: Prompt, cosine: float) -> bool:
+        """Whether the check serves ``stored``'s answer for ``query`` (both read by ``_read``)."""
+        if (self._model is not None and isinstance(query.facts, PromptFeatures)
+                and isinstance(stored.facts, PromptFeatures)):
+            vectors = (query.vector, stored.vector, query.meaning, stored.meaning)
+            return self._model.accepts(cosine, query.facts, stored.facts, vectors, self._cross(query.text, stored.text))
+        if self.check == "rules" and isinstance(query.facts, Facts) and isinstance(stored.facts, Facts):
+            return disagreement(query.facts, stored.facts) is None
         return self.check == "none"
 
     def _cross(self, query: str, stored: str) -> Callable[[], float] | None:
