@@ -172,7 +172,9 @@ def test_rejected_bodies_hold_no_memory(stack: tuple[StackInfo, LocalStack]) -> 
                                    headers={**_auth(BIG_KEY), "content-type": "application/json"})
             assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
     growth_mib = {pid: (_rss_kib(pid) - before[pid]) / 1024 for pid in workers}
-    assert all(g < 40 for g in growth_mib.values()), growth_mib  # was ~210 MB per worker when bodies were kept
+    # Kept bodies grew a worker ~210 MB (200 x 1 MB); the allocator's own noise reached 40.9 MB once,
+    # beside a CPU hog: the bound sits between the two.
+    assert all(g < 100 for g in growth_mib.values()), growth_mib
 
 
 @pytest.mark.parametrize("key", [SOLO_KEY, FREE_KEY], ids=["limited", "unlimited"])
