@@ -59,9 +59,8 @@ from extproc.config.schema import OPERATING_POINTS  # the cross-validated precis
 from extproc.routing.embedders import build_embedder
 from extproc.stumps import fit_stumps
 
-FOLDS_PATH = Path(__file__).parent / "data" / "pair_encoder_folds.json"  # bench.train_pair_encoder writes it
-
 DATA = Path(__file__).parent / "data"
+FOLDS_PATH = DATA / "pair_encoder_folds.json"  # bench.train_pair_encoder writes it
 BLIND = DATA / "blind"  # only their prompts' texts are read here, to leave those out of training
 TRAINING = (DATA / "paraphrases.yaml", DATA / "paraphrases_fresh.yaml",
             *sorted(DATA.glob("paraphrases_train_*.yaml")))
@@ -136,7 +135,7 @@ def cross_votes(data: list[tuple[str, str, bool, str]], path: Path) -> np.ndarra
         raise SystemExit(f"{path} scores other pairs than these: run python -m bench.train_pair_encoder "
                          f"--folds {folds['folds']} again")
     votes = (np.array(folds["logit"], dtype=float) + np.array(folds["swapped"], dtype=float)) / 2
-    return np.clip(votes, -CROSS_CAP, CROSS_CAP)
+    return np.clip(votes, -CROSS_CAP, CROSS_CAP)  # as a lookup caps them (Stack.join), before the stack is fitted
 
 
 def fit_stack(words_and_vectors: np.ndarray, cross: np.ndarray, same: np.ndarray) -> Stack:
@@ -191,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.no_cross:
             cross = cross_votes(data, args.cross)
             stack = fit_stack(log_odds[learned], cross[learned], same[learned])
-            log_odds = stack.words_and_vectors * log_odds + stack.cross * cross + stack.bias
+            log_odds = np.asarray(stack.join(log_odds, cross))
         held_out = np.where(learned, 1.0 / (1.0 + np.exp(-log_odds)), ruled)
         threshold, precision, recall = threshold_for(held_out, same, args.precision)
         served = learned & (held_out >= threshold)

@@ -278,6 +278,12 @@ class Stack:
     cross: float
     bias: float
 
+    def join(self, words_and_vectors: float | np.ndarray, cross: float | np.ndarray) -> float | np.ndarray:
+        """The joined log-odds (of one pair, or of arrays of them), the cross-encoder's vote capped
+        at ``CROSS_CAP`` either way."""
+        return self.words_and_vectors * words_and_vectors + self.bias + self.cross * np.clip(cross, -CROSS_CAP,
+                                                                                             CROSS_CAP)
+
 
 @dataclass(frozen=True, slots=True)
 class ParaphraseModel:
@@ -324,8 +330,7 @@ class ParaphraseModel:
         if self.stack is not None:
             if cross is None:
                 raise ValueError("this model reads the cross-encoder's vote too (extproc.cache.pairs)")
-            log_odds = self.stack.words_and_vectors * log_odds + self.stack.bias + self.stack.cross * min(
-                CROSS_CAP, max(-CROSS_CAP, cross))
+            log_odds = float(self.stack.join(log_odds, cross))
         return _sigmoid(log_odds)
 
     def same(self, features: Sequence[float], pair: np.ndarray | None = None, cross: float | None = None) -> bool:
@@ -354,7 +359,7 @@ class ParaphraseModel:
             return self.same(features, pair)
         # The cross-encoder can move the vote by at most ``CROSS_CAP`` times its weight: outside
         # that margin of the threshold the other parts decide, and its forward pass is spared.
-        others = self.stack.words_and_vectors * self.log_odds(features, pair) + self.stack.bias
+        others = float(self.stack.join(self.log_odds(features, pair), 0.0))
         margin = abs(self.stack.cross) * CROSS_CAP
         if _sigmoid(others - margin) >= self.threshold:
             return True
