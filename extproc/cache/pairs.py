@@ -63,7 +63,7 @@ class PairEncoder:
         self.head_bias = float(adapter["head.bias"].reshape(-1)[0])
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.tokenizer.enable_truncation(max_length=MAX_TOKENS)
-        self.tokenizer.no_padding()
+        self.tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")  # to the batch's longest pair
         # Pairs the trainer scored, with torch's log-odds: the forward pass here must agree.
         self.checks = [(str(a), str(b), float(logit)) for a, b, logit in zip(
             adapter.get("check.query", ()), adapter.get("check.stored", ()), adapter.get("check.logit", ()),
@@ -81,14 +81,9 @@ class PairEncoder:
         if not pairs:
             return np.zeros(0, dtype=np.float32)
         encodings = self.tokenizer.encode_batch(list(pairs))
-        length = max(len(e.ids) for e in encodings)
-        ids = np.zeros((len(pairs), length), dtype=np.int64)
-        types = np.zeros_like(ids)
-        mask = np.zeros((len(pairs), length), dtype=np.float32)
-        for row, encoding in enumerate(encodings):
-            ids[row, :len(encoding.ids)] = encoding.ids
-            types[row, :len(encoding.ids)] = encoding.type_ids
-            mask[row, :len(encoding.ids)] = 1
+        ids = np.array([e.ids for e in encodings], dtype=np.int64)
+        types = np.array([e.type_ids for e in encodings], dtype=np.int64)
+        mask = np.array([e.attention_mask for e in encodings], dtype=np.float32)
         x = self.bert.states(ids, mask, types)
         mean = (x * mask[:, :, None]).sum(axis=1) / mask.sum(axis=1, keepdims=True)
         return np.concatenate([x[:, 0], mean], axis=1) @ self.head + self.head_bias
