@@ -206,12 +206,12 @@ class LlamaPod:
     def start(self, timeout_s: float = 120.0) -> None:
         """Start the server and wait until ``/health`` answers 200 (it answers 503 while loading)."""
         log = open(self.workdir / f"llama-server-{self.port}.log", "ab")  # owned by the child
-        self.proc = subprocess.Popen(
+        self.proc = subprocess.Popen(die_with_parent(
             [str(ensure(log=False)), "--model", str(model_path()), "--alias", MODEL_ALIAS, "--host", "127.0.0.1",
              "--port", str(self.port), "--parallel", str(self.slots), "--ctx-size", str(self.context),
              "--threads", str(self.threads), "--threads-batch", str(self.threads), "--metrics", "--no-webui",
-             "--seed", "1"],
-            stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent())
+             "--seed", "1"]),
+            stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
