@@ -272,6 +272,10 @@ async def serve(config: GatewayConfig, host: str, port: int, ready: Callable[[in
     # the cyclic collector need not walk it again at each full collection.
     gc.collect()
     gc.freeze()
+    # Loading the models freed as much as it keeps (weights read, then folded and transposed into
+    # new arrays): the heap holds that free space until trimmed. A worker with the semantic cache,
+    # measured once ready: 453 MB resident without this trim, 370 MB with it.
+    HeapTrim(slack_bytes=0)()
     await server.start()
     ready(bound)
     # The helper process for large bodies starts (~1 s of imports) while small ones are served.

@@ -28,7 +28,7 @@ from extproc.cache.paraphrase import (
 )
 from extproc.cache.semantic import SemanticIndex, default_check
 from extproc.config import SemanticCacheSpec
-from extproc.routing.embedders import HashingEmbedder, build_embedder
+from extproc.routing.embedders import HashingEmbedder, MiniLMEmbedder, build_embedder
 from extproc.stumps import fit_stumps
 
 
@@ -222,6 +222,13 @@ def test_adapters_fold_into_the_base_weights() -> None:
     np.testing.assert_allclose(weights["n.weight"], [3.0, 3.0])  # a retrained LayerNorm replaces the base's
     assert weights["kept"] is base["kept"] and "head.weight" not in weights and "check.logit" not in weights
     assert set(weights) == set(base)
+
+
+def test_the_cross_encoder_shares_the_embedder_s_word_embeddings(pair_encoder: PairEncoder) -> None:
+    # 47 MB of the 90 MB model, the same for both: one read-only copy while either holds it.
+    embedder = MiniLMEmbedder()
+    assert embedder.bert.words is pair_encoder.bert.words and embedder.bert.words.nbytes > 40_000_000
+    assert not embedder.bert.words.flags.writeable
 
 
 def test_the_cross_encoder_reproduces_its_trainer_s_log_odds(pair_encoder: PairEncoder) -> None:

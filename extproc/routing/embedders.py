@@ -25,6 +25,7 @@ import re
 import threading
 import urllib.error
 import urllib.request
+import weakref
 import zlib
 from pathlib import Path
 from typing import Protocol
@@ -191,7 +192,7 @@ class Bert:
     heads = 12
 
     def __init__(self, weights: dict[str, np.ndarray], layers: int = 6) -> None:
-        self.words = weights["embeddings.word_embeddings.weight"]
+        self.words = weights[WORDS]
         self.positions = weights["embeddings.position_embeddings.weight"]
         self.token_types = weights["embeddings.token_type_embeddings.weight"]
         self.ln = (weights["embeddings.LayerNorm.weight"], weights["embeddings.LayerNorm.bias"])
@@ -234,16 +235,32 @@ class Bert:
         return x.reshape(batch, length, self.hidden)
 
 
+WORDS = "embeddings.word_embeddings.weight"
+# Each MiniLM folder's word embeddings (30,522 x 384: 47 MB, half the model) while any encoder
+# holds them: the cache's embedder and its pair encoder share one copy, read-only.
+_WORDS: weakref.WeakValueDictionary[Path, np.ndarray] = weakref.WeakValueDictionary()
+_WORDS_LOCK = threading.Lock()
+
+
 def minilm_weights(model_dir: Path | None = None) -> tuple[dict[str, np.ndarray], Path]:
     """MiniLM's weights and the folder they came from (``EmbedderError`` if the package or a
-    file is missing)."""
-    from safetensors.numpy import load_file  # only MiniLM needs it
+    file is missing). The word embeddings are read-only, and the same array for every caller
+    while one holds it."""
+    from safetensors import safe_open  # only MiniLM needs it
 
     model_dir = minilm_model_dir() if model_dir is None else Path(model_dir)
     for name in ("model.safetensors", "tokenizer.json"):
         if not (model_dir / name).is_file():
             raise EmbedderError(f"no {name} in {model_dir}: {_INSTALL_HINT}")
-    return load_file(str(model_dir / "model.safetensors")), model_dir
+    with _WORDS_LOCK, safe_open(str(model_dir / "model.safetensors"), framework="numpy") as stored:
+        words = _WORDS.get(model_dir.resolve())
+        if words is None:
+            words = stored.get_tensor(WORDS)
+            words.setflags(write=False)
+            _WORDS[model_dir.resolve()] = words
+        weights = {name: stored.get_tensor(name) for name in stored.keys() if name != WORDS}
+    weights[WORDS] = words
+    return weights, model_dir
 
 
 class MiniLMEmbedder:
