@@ -45,7 +45,8 @@ Both parts are trained by ``python -m bench.train_paraphrase`` on this project's
 pairs (``bench/data/paraphrases*.yaml``), never on the blind sets, and shipped as
 ``paraphrase_model.json`` beside this module, on the pairs the vetoes let through. The probability
 must reach the model's own ``threshold``: the one where cross-validation of all three steps, each
-writer's pairs decided by a model fitted on the other writers' only, kept precision at 99%.
+writer's pairs decided by a model fitted on the other writers' only, kept precision at 99% for 95%
+of sets of writers drawn from the training writers (a new writer's traffic, not the pooled pairs).
 Reading a prompt's features costs a few regular expressions (linear in its length) and the second
 encoder's forward pass (~2.5 ms, in the embedding thread); checking a pair, tens of microseconds
 (word order is compared over its first ``DISORDER_WORDS`` shared words) and, where no veto or the
