@@ -171,7 +171,8 @@ class SemanticCacheSpec(_Strict):
     # lowest served cosine, 0.80 for the rules).
     threshold: Annotated[float, Field(gt=0, le=1)] | None = None
     # The learned check's operating point: the precision its threshold held in cross-validation on
-    # held-out writers (0.995: fewer paraphrases served, fewer wrong; 0.98: more of both).
+    # held-out writers, for 95% of sets of writers drawn from them (0.995: fewer paraphrases served,
+    # fewer wrong; 0.98: more of both).
     # Default: the model's own, 0.99.
     precision: float | None = None  # 0.98, 0.99 or 0.995
     capacity: Annotated[int, Field(ge=1, le=1_000_000)] = 10_000  # prompts remembered per partition
