@@ -40,7 +40,7 @@ import numpy as np
 
 from bench.common import emit
 from bench.train_paraphrase import FOLDS_PATH, pairs
-from extproc.cache.pairs import ADAPTED, ADAPTER_PATH, MAX_TOKENS
+from extproc.cache.pairs import ADAPTED, ADAPTER_PATH, pair_tokenizer
 from extproc.routing.embedders import minilm_model_dir
 
 RANK, ALPHA = 8, 16.0
@@ -147,11 +147,7 @@ class Pairs:
     """The pairs as the tokenizer reads them: (query, stored) or the other way round."""
 
     def __init__(self, data: list[tuple[str, str, bool, str]]) -> None:
-        from tokenizers import Tokenizer
-
-        self.tokenizer = Tokenizer.from_file(str(minilm_model_dir() / "tokenizer.json"))
-        self.tokenizer.no_padding()
-        self.tokenizer.enable_truncation(max_length=MAX_TOKENS)
+        self.tokenizer = pair_tokenizer(minilm_model_dir())
         self.data = data
 
     def encode(self, index: int, swapped: bool) -> tuple[list[int], list[int]]:

@@ -20,10 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from extproc.routing.embedders import Bert, minilm_weights
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 ADAPTER_PATH = Path(__file__).with_name("pair_encoder.npz")
 MAX_TOKENS = 128  # the pair's tokens, both prompts and three special tokens; the longer one is cut first
@@ -48,21 +52,30 @@ def adapted_weights(base: dict[str, np.ndarray], adapter: dict[str, np.ndarray])
     return weights
 
 
+def pair_tokenizer(model_dir: Path) -> Tokenizer:
+    """MiniLM's tokenizer (from ``model_dir``) as the cross-encoder reads a pair, trained and
+    served alike: ``encode(query, stored)`` gives both prompts' ids and segments, cut to
+    ``MAX_TOKENS`` (the longer prompt first), unpadded."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tokenizer.no_padding()
+    tokenizer.enable_truncation(max_length=MAX_TOKENS)
+    return tokenizer
+
+
 class PairEncoder:
     """Log-odds that each (query, stored) pair asks for the same answer. ``logits`` is
     synchronous (milliseconds a pair): the cache calls it from its embedding thread."""
 
     def __init__(self, adapter_path: Path = ADAPTER_PATH, model_dir: Path | None = None) -> None:
-        from tokenizers import Tokenizer
-
         base, model_dir = minilm_weights(model_dir)
         with np.load(adapter_path) as stored:
             adapter = {name: stored[name] for name in stored.files}
         self.bert = Bert(adapted_weights(base, adapter))
         self.head = adapter["head.weight"].astype(np.float32).reshape(-1)
         self.head_bias = float(adapter["head.bias"].reshape(-1)[0])
-        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        self.tokenizer.enable_truncation(max_length=MAX_TOKENS)
+        self.tokenizer = pair_tokenizer(model_dir)
         self.tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")  # to the batch's longest pair
         # Pairs the trainer scored, with torch's log-odds: the forward pass here must agree.
         self.checks = [(str(a), str(b), float(logit)) for a, b, logit in zip(
