@@ -178,9 +178,12 @@ class Child:
         shows why a child died, after its log file is gone)."""
         if self.log_path is None:
             return "its output above"
-        with open(self.log_path, "rb") as log_file:
-            log_file.seek(max(self.log_offset, log_file.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
-            tail = log_file.read().decode(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        try:
+            with open(self.log_path, "rb") as log_file:
+                log_file.seek(max(self.log_offset, log_file.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+                tail = log_file.read().decode(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        except OSError:  # gone or unreadable: the path alone
+            tail = []
         return str(self.log_path) + "".join(f"\n  | {line}" for line in tail)
 
     def output(self) -> str:

@@ -252,12 +252,13 @@ def minilm_weights(model_dir: Path | None = None) -> tuple[dict[str, np.ndarray]
     for name in ("model.safetensors", "tokenizer.json"):
         if not (model_dir / name).is_file():
             raise EmbedderError(f"no {name} in {model_dir}: {_INSTALL_HINT}")
+    key = model_dir.resolve()
     with _WORDS_LOCK, safe_open(str(model_dir / "model.safetensors"), framework="numpy") as stored:
-        words = _WORDS.get(model_dir.resolve())
+        words = _WORDS.get(key)
         if words is None:
             words = stored.get_tensor(WORDS)
             words.setflags(write=False)
-            _WORDS[model_dir.resolve()] = words
+            _WORDS[key] = words
         weights = {name: stored.get_tensor(name) for name in stored.keys() if name != WORDS}
     weights[WORDS] = words
     return weights, model_dir
