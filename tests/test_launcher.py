@@ -3,12 +3,10 @@ when they fail."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -18,26 +16,10 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from extproc.launcher import ChildFailed, ProcessGroup
+from tests.e2e.test_cli_up import alive, cmdline
+from tests.helpers import wait_for
 
 SPAWNS_BESIDE_GRPC = 200
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:  # a zombie has died already
-        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _until(condition, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 @pytest.fixture
@@ -81,20 +63,20 @@ def test_children_start_beside_a_busy_grpc_channel(tmp_path: Path) -> None:
 def test_a_child_stops_when_the_launcher_is_killed(tmp_path: Path) -> None:
     launcher = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys, time\n"
+         "import signal, sys\n"
          "from pathlib import Path\n"
          "from extproc.launcher import ProcessGroup\n"
          "child = ProcessGroup(Path(sys.argv[1])).spawn('sleeper', ['sleep', '300'], ready_line=False)\n"
          "print(child.pid, flush=True)\n"
-         "time.sleep(300)\n", str(tmp_path)],
+         "signal.pause()\n", str(tmp_path)],
         stdout=subprocess.PIPE, cwd=Path(__file__).resolve().parents[1])
     try:
         assert launcher.stdout is not None
         sleeper = int(launcher.stdout.readline())
-        assert _until(lambda: Path(f"/proc/{sleeper}/cmdline").read_bytes().startswith(b"sleep\0"))
+        wait_for("the child's sleep", lambda: cmdline(sleeper)[:1] == ["sleep"])
         launcher.send_signal(signal.SIGKILL)  # no cleanup of its own runs: only the kernel's signal
         launcher.wait(timeout=10)
-        assert _until(lambda: not _alive(sleeper)), "the child outlived its launcher"
+        wait_for("the child to stop with its launcher", lambda: not alive(sleeper))
     finally:
         launcher.kill()
         launcher.wait(timeout=10)
