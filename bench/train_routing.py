@@ -2,9 +2,9 @@
 ``extproc/routing/intent_model.json``.
 
 Training data: small intents configs written apart from this code, as a user writes one
-(``bench/data/routing_train/*.yaml``: eight writers, 24 configs of 5-8 intents with 6-8 examples,
-and 80 new prompts each, 12-14 of them of no intent; the shipped model was trained on the first six
-writers' 18, its file lists them), and this project's own ``bench/data/intents.yaml``
+(``bench/data/routing_train/*.yaml``: eleven writers, 33 configs of 5-8 intents with 6-8 examples,
+and 80 new prompts each, 12-14 of them of no intent; the shipped model was trained on all of them,
+its file lists them), and this project's own ``bench/data/intents.yaml``
 cut to 7 examples an intent (three draws). The blind sets (``bench/data/blind/``) are never read:
 ``python -m bench.blind`` measures the trained model on them afterwards.
 
