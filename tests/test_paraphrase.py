@@ -307,12 +307,16 @@ def test_a_stacked_model_asks_the_cross_encoder_only_where_it_decides(tmp_path: 
 
 
 def test_an_index_asks_the_cross_encoder_about_a_reversed_relation() -> None:
-    # At 98% (the rewording scores 0.965: the default 99% threshold, 0.971, refuses it too).
-    index = SemanticIndex(build_embedder("minilm"), capacity=10, precision=0.98)
+    # With the defaults: the same words the other way round are refused, a rewording is served (the
+    # stacked vote 0.995 against the 0.974 threshold). "Are all squares rectangles?" scores 0.946:
+    # refused at every operating point since the model trained on 37 files.
+    index = SemanticIndex(build_embedder("minilm"), capacity=10)
     index.add("t", "Is every square a rectangle?", b"k1")
-    assert index.match("t", "Is every rectangle a square?") is None  # the same words, the other way round
-    match = index.match("t", "Are all squares rectangles?")
-    assert match is not None and match.key == b"k1"
+    index.add("t", "Convert 5 miles to kilometers", b"k2")
+    assert index.match("t", "Is every rectangle a square?") is None
+    assert index.match("t", "Convert 5 kilometers to miles") is None
+    match = index.match("t", "How many kilometers are 5 miles?")
+    assert match is not None and match.key == b"k2"
 
 
 def test_the_cross_encoder_runs_outside_the_index_lock(monkeypatch: pytest.MonkeyPatch) -> None:
