@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import http.server
 import importlib.util
 import math
@@ -306,21 +307,18 @@ def test_the_shipped_routing_model_was_trained_apart_from_the_blind_sets() -> No
     assert 0 < data["threshold"] < 1 and len(data["stumps"]) >= 50
 
 
-# A config of the size the learned decision was trained for (6-8 examples and a description an intent).
-SIZED_INTENTS = (
-    Intent("code", ("write a python function to sort a list", "fix this javascript bug",
-                    "why does my java code throw a null pointer exception", "how do I read a csv file in go",
-                    "refactor this class so it is easier to test", "what does this regex match: ^[a-z]+$"),
-           "coder", "gpu", "Writing, fixing, explaining and reviewing program code"),
-    Intent("math", ("solve the equation 2x + 3 = 7", "compute the integral of x squared",
-                    "what is the derivative of sin x", "prove that the square root of 2 is irrational",
-                    "find the eigenvalues of this 2x2 matrix", "what is the probability of two sixes with two dice"),
-           "mathstral", "gpu", "Solving and explaining mathematics: algebra, calculus, proofs, probability"),
-    Intent("translation", ("translate this sentence into french", "how do you say hello in spanish",
-                           "translate the email into german", "put this paragraph into japanese",
-                           "what is the english for 'merci beaucoup'", "render these product names in italian"),
-           "nllb", "cpu", "Translating text from one language into another"),
-)
+# INTENTS at the size the learned decision was trained for (6-8 examples and a description an
+# intent): three more examples each, and a description.
+SIZED_INTENTS = tuple(dataclasses.replace(intent, examples=intent.examples + more, description=description)
+                      for intent, (more, description) in zip(INTENTS, (
+    (("how do I read a csv file in go", "refactor this class so it is easier to test",
+      "what does this regex match: ^[a-z]+$"), "Writing, fixing, explaining and reviewing program code"),
+    (("prove that the square root of 2 is irrational", "find the eigenvalues of this 2x2 matrix",
+      "what is the probability of two sixes with two dice"),
+     "Solving and explaining mathematics: algebra, calculus, proofs, probability"),
+    (("put this paragraph into japanese", "what is the english for 'merci beaucoup'",
+      "render these product names in italian"), "Translating text from one language into another"),
+), strict=True))
 
 
 def test_the_multilingual_embedder_takes_the_learned_decision_and_routes_in_other_languages() -> None:
