@@ -11,7 +11,8 @@ threshold decision the learned one replaced, in the same run).
 
 Cache: every pair of the four writers' files (``cache_pairs_*.yaml``) is evaluated as the cache
 meets it (``bench.cache_semantic.evaluate``: ``a`` alone in a fresh partition, then ``b`` looked
-up) with the defaults (``cache: {semantic: {}}``). precision = right hits / hits; recall = right
+up) with the defaults (``cache: {semantic: {}}``) and, with ``--cache-precisions``, at the learned
+check's other operating points. precision = right hits / hits; recall = right
 hits / paraphrase pairs.
 
 With ``--stack``, each config also runs through the real stack (Envoy, one extproc worker, a
@@ -23,7 +24,7 @@ Only aggregates are printed (per config, writer, language and kind): the items t
 so that nothing is tuned on them by reading the failures.
 
     python -m bench.blind [--routing-embedders multilingual,hybrid,minilm,hashing] [--no-cache] [--stack]
-                          [--compare-rules] [--cache-precisions 0.98,0.995]
+                          [--cache-precisions 0.98,0.995]
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from rich.progress import Progress
 
 from bench.cache_semantic import Pair, evaluate
 from bench.common import emit
-from extproc.cache.semantic import Check, SemanticIndex, default_check
+from extproc.cache.semantic import SemanticIndex
 from extproc.config import SemanticCacheSpec, parse_config
 from extproc.launcher import LocalStack, StackOptions
 from extproc.routing.classifier import build_index
@@ -155,28 +156,25 @@ def cache_pairs() -> list[Pair]:
     return pairs
 
 
-def cache_blind(progress: Progress, check: Check | None = None, precision: float | None = None) -> dict[str, Any]:
-    """The semantic cache with its defaults (``check``: the candidate check instead of the
-    default's; ``precision``: the learned check's operating point) over every blind pair: overall,
-    per writer, per kind."""
+def cache_blind(progress: Progress, precision: float | None = None) -> dict[str, Any]:
+    """The semantic cache with its defaults (``precision``: the learned check's operating point)
+    over every blind pair: overall, per writer, per kind."""
     spec = SemanticCacheSpec(precision=precision)
     pairs = cache_pairs()
-    result = evaluate(spec.embedder, True, spec.threshold, pairs=pairs, progress=progress,
-                      check=check or spec.check or default_check(spec.embedder), precision=spec.precision)
+    result = evaluate(pairs, progress=progress, precision=spec.precision)
     by_writer = {writer: result[writer] for writer in dict.fromkeys(p.split for p in pairs)}
     return {"embedder": spec.embedder, "check": result["check"], "threshold": result["threshold"],
             "pairs": len(pairs), "paraphrases": sum(p.same for p in pairs), **result["all"], "by_writer": by_writer,
             "false_hits_by_kind": result["false_hits_by_kind"], "missed_by_lang": result["missed_by_lang"],
-            **check_costs(pairs, spec.embedder, result["check"], spec.threshold)}
+            **check_costs(pairs, spec.embedder, spec.threshold)}
 
 
-def check_costs(pairs: list[Pair], embedder: str, check: Check, threshold: float | None,
-                sample: int = 200) -> dict[str, Any]:
+def check_costs(pairs: list[Pair], embedder: str, threshold: float | None, sample: int = 200) -> dict[str, Any]:
     """What the check costs on the hot path, over the first ``sample`` pairs (one thread): preparing
     one prompt (embedding it, the second encoder's vector, its features: once a request) and a
     lookup of a partition holding one stored prompt (the cosine and the check of that candidate),
     in medians and p99s."""
-    index = SemanticIndex(build_embedder(embedder), threshold, check=check)
+    index = SemanticIndex(build_embedder(embedder), threshold)
     index.prepare("warm-up")
     prepare_ms, lookup_us = [], []
     for i, pair in enumerate(pairs[:sample]):
@@ -207,7 +205,6 @@ def main(argv: list[str] | None = None) -> None:
                         help="also each config through the real stack (the first embedder)")
     parser.add_argument("--no-cache", action="store_true", help="routing only")
     parser.add_argument("--no-routing", action="store_true", help="the cache only")
-    parser.add_argument("--compare-rules", action="store_true", help="the cache with the rules' check too")
     parser.add_argument("--cache-precisions", type=lambda v: [float(p) for p in v.split(",")], default=[],
                         help="the cache also at these operating points of the learned check (0.98,0.995)")
     args = parser.parse_args(argv)
@@ -234,8 +231,6 @@ def main(argv: list[str] | None = None) -> None:
                     r["auto_added_p50_ms"] for r in stack), 3)
         if not args.no_cache:
             out["cache"] = cache_blind(progress)
-            if args.compare_rules:  # the hand-written guard, in the same run
-                out["cache_rules"] = cache_blind(progress, "rules")
             for precision in args.cache_precisions:
                 at = cache_blind(progress, precision=precision)
                 out.setdefault("cache_at_precision", {})[str(precision)] = {

@@ -31,8 +31,8 @@ pool failing mid-run with and without a fallback chain, in one run.
 4. ``lookup_us``: ``ResponseCache.lookup`` alone, in this process, against a real redis-server: a
    key on the hot-key allow-list, the same key with the allow-list off (one GET), and a never-seen
    key the Bloom filter answers; median and p99 microseconds over ``--lookups`` each.
-5. ``semantic``: ``bench.cache_semantic.evaluate(kind, guard, threshold)`` with the product's
-   defaults (see `semantic`), when that module exists.
+5. ``semantic``: ``bench.cache_semantic.evaluate()``: the semantic cache with the product's
+   defaults on this project's own pairs (the learned check's training pairs: in-sample).
 
 Medians over ``--rounds``. ``checks.foreign_cpu_pct_of_a_core``: CPU the machine spent outside
 the bench and its processes (latencies are a quiet machine's only near 0). One JSON line
@@ -47,9 +47,6 @@ import argparse
 import asyncio
 import contextlib
 import copy
-import importlib
-import importlib.util
-import inspect
 import math
 import os
 import random
@@ -498,45 +495,18 @@ def timeline(answers: list[Answer], seconds: float) -> list[float | None]:
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. The semantic cache's own evaluation (another module, when present)
+# 5. The semantic cache's own evaluation
 
 
 def semantic() -> dict[str, Any]:
-    """``bench.cache_semantic.evaluate`` with the default settings, or why it was skipped.
+    """``bench.cache_semantic.evaluate`` with the product's defaults, on this project's own pairs
+    (the learned check's training pairs: in-sample figures)."""
+    from bench.cache_semantic import evaluate
 
-    The defaults, first found: the module's ``DEFAULT_KIND`` / ``DEFAULT_GUARD`` /
-    ``DEFAULT_THRESHOLD``, then ``DEFAULT_EMBEDDER`` (the kind) and the ``guard`` default of
-    ``SemanticIndex`` (the product's), then evaluate()'s own parameter defaults."""
-    if importlib.util.find_spec("bench.cache_semantic") is None:
-        return {"skipped": "bench/cache_semantic.py not found"}
-    module = importlib.import_module("bench.cache_semantic")
-    evaluate = getattr(module, "evaluate", None)
-    if not callable(evaluate):
-        return {"skipped": "bench.cache_semantic has no evaluate()"}
-    parameters = inspect.signature(evaluate).parameters
-    index = getattr(module, "SemanticIndex", None)
-    index_guard = (inspect.signature(index).parameters.get("guard") if index is not None else None)
-    candidates: dict[str, list[Any]] = {
-        "kind": [getattr(module, "DEFAULT_KIND", None), getattr(module, "DEFAULT_EMBEDDER", None)],
-        "guard": [getattr(module, "DEFAULT_GUARD", None), index_guard.default if index_guard is not None else None],
-        "threshold": [getattr(module, "DEFAULT_THRESHOLD", None)],
-    }
-    settings: dict[str, Any] = {}
-    for name, found in candidates.items():
-        own = parameters[name].default if name in parameters else inspect.Parameter.empty
-        value = next((v for v in found if v is not None and v is not inspect.Parameter.empty), own)
-        if value is inspect.Parameter.empty:
-            return {"skipped": f"no default for evaluate()'s {name!r}"}
-        settings[name] = value
     started = time.monotonic()
-    try:
-        found = evaluate(**settings)
-        if inspect.isawaitable(found):
-            found = asyncio.run(found)  # type: ignore[arg-type]
-    except Exception as error:  # noqa: BLE001 (another person's module: its failure is reported, not fatal)
-        return {"settings": settings, "error": f"{type(error).__name__}: {error}"}
-    return {"settings": settings, "wall_s": round(time.monotonic() - started, 1),
-            "result": orjson.loads(orjson.dumps(found, default=str))}
+    found = evaluate()
+    return {"settings": {"embedder": found["embedder"], "check": found["check"], "threshold": found["threshold"]},
+            "wall_s": round(time.monotonic() - started, 1), "in_sample": True, "result": found}
 
 
 # ---------------------------------------------------------------------------------------------

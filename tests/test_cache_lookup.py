@@ -20,7 +20,7 @@ from extproc.config import SemanticCacheSpec
 from extproc.steps import HOT_MISS, Lookup, SemanticHit, SemanticQuery, Warm
 from tests.helpers import eventually
 
-SPEC = SemanticCacheSpec(embedder="hashing", threshold=0.9)
+SPEC = SemanticCacheSpec(embedder="hashing", check="none", threshold=0.9)
 ANSWER = b'{"kind":"chat","model":"m","choices":[],"usage":{}}'
 
 
@@ -74,7 +74,7 @@ async def test_a_paraphrase_finds_the_earlier_answer_once_it_is_stored(lookup: C
 
 async def test_in_shadow_mode_a_paraphrase_is_counted_and_logged_not_served(
         lookup: CacheLookup, caplog: pytest.LogCaptureFixture) -> None:
-    shadow = SemanticCacheSpec(embedder="hashing", threshold=0.9, mode="shadow")
+    shadow = SemanticCacheSpec(embedder="hashing", check="none", threshold=0.9, mode="shadow")
     await lookup.paraphrases.indexes.index(shadow)  # type: ignore[attr-defined]
     partition, first = os.urandom(8).hex(), os.urandom(32)
     assert await lookup.lookup(Lookup(first, semantic=SemanticQuery(partition, "Where is the Louvre museum?",

@@ -19,7 +19,7 @@ from extproc.config import SemanticCacheSpec
 from llmgw_testing.redis_server import RedisServer
 from tests.helpers import eventually
 
-SPEC = SemanticCacheSpec(embedder="hashing", threshold=0.9)
+SPEC = SemanticCacheSpec(embedder="hashing", check="none", threshold=0.9)
 ANSWER = b'{"kind":"chat","model":"m","choices":[],"usage":{}}'
 
 

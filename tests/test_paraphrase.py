@@ -26,7 +26,7 @@ from extproc.cache.paraphrase import (
     same_words,
     veto,
 )
-from extproc.cache.semantic import SemanticIndex, default_check
+from extproc.cache.semantic import SemanticIndex
 from extproc.config import SemanticCacheSpec
 from extproc.routing.embedders import HashingEmbedder, MiniLMEmbedder, build_embedder
 from extproc.stumps import fit_stumps
@@ -160,8 +160,6 @@ def test_the_shipped_model_was_cross_validated_at_99_percent_precision() -> None
     assert model.linear.weights.shape == (len(FEATURES) + 1 + 2 * 512 + 2 * 384,)  # USE-m3's 512, MiniLM's 384
     assert data["cross_validated"]["precision"] >= 0.99 and 0 < model.threshold <= 1
     assert model.stack is not None and model.stack.cross > 0  # the cross-encoder's vote counts, for "same"
-    assert default_check("minilm") == "learned" and default_check("hashing") == "rules"
-    assert default_check("minilm", guard=False) == "none"
 
 
 class _MiniLMNamed(HashingEmbedder):
@@ -199,8 +197,12 @@ def test_an_operator_picks_the_learned_check_s_operating_point() -> None:
     index = SemanticIndex(_MiniLMNamed(), threshold=0.3, capacity=10, precision=0.995)
     assert index.model is not None and index.model.threshold == points[0.995]
     assert SemanticCacheSpec(precision=0.995).precision == 0.995
+    with pytest.raises(ValidationError, match="check"):  # the hand-written guard was removed
+        SemanticCacheSpec(check="rules")
+    with pytest.raises(ValidationError, match="trained on minilm"):  # the check reads MiniLM's cosines
+        SemanticCacheSpec(embedder="hashing")
     with pytest.raises(ValidationError, match="precision is the learned check's operating point"):
-        SemanticCacheSpec(check="rules", precision=0.99)
+        SemanticCacheSpec(embedder="hashing", check="none", precision=0.99)
     with pytest.raises(ValidationError, match="precision"):
         SemanticCacheSpec(precision=0.9)
 

@@ -22,7 +22,7 @@ from extproc.steps import HOT_MISS, Lookup, Reply, SemanticHit, Warm
 DOCUMENT = {
     "pools": [{"name": "p", "endpoints": ["10.0.0.1:8000"]}],
     "models": [{"name": "m", "pool": "p", "cache": {"ttl_s": 60}},
-               {"name": "s", "pool": "p", "cache": {"semantic": {"embedder": "hashing"}}},
+               {"name": "s", "pool": "p", "cache": {"semantic": {"embedder": "hashing", "check": "none"}}},
                {"name": "plain", "pool": "p"}],
 }
 CONFIG = parse_config(DOCUMENT, env={})
