@@ -184,7 +184,8 @@ def test_under_load_batch_is_refused_first_the_default_class_falls_back_and_real
 def test_a_semantic_cache_beside_routing_rules_gets_its_context_digest() -> None:
     # analyze() once reused one name for the semantic cache's context digest and the rules' context:
     # with any `routes:` configured, the digest became a RouteContext and every lookup a 500.
-    document = {**DOCUMENT, "models": [{**DOCUMENT["models"][0], "cache": {"semantic": {"embedder": "hashing", "check": "none"}}},
+    semantic = {"embedder": "hashing", "check": "none"}
+    document = {**DOCUMENT, "models": [{**DOCUMENT["models"][0], "cache": {"semantic": semantic}},
                                        DOCUMENT["models"][1]],
                 "routes": [{"name": "long", "match": {"input_tokens": {"min": 10_000}}, "model": "small-model"}]}
     gateway = Gateway(parse_config(document), Picker(random.Random(0)))
