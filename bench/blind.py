@@ -12,7 +12,9 @@ threshold decision the learned one replaced, in the same run).
 Cache: every pair of the four writers' files (``cache_pairs_*.yaml``) is evaluated as the cache
 meets it (``bench.cache_semantic.evaluate``: ``a`` alone in a fresh partition, then ``b`` looked
 up) with the defaults (``cache: {semantic: {}}``) and, with ``--cache-precisions``, at the learned
-check's other operating points. precision = right hits / hits; recall = right
+check's other operating points; and crowded (``bench.cache_semantic.crowded``): each writer's ``a``
+prompts in one partition, every ``b`` looked up, a hit on another pair's ``a`` counted false, as
+a cache holding many prompts meets a new one. precision = right hits / hits; recall = right
 hits / paraphrase pairs.
 
 With ``--stack``, each config also runs through the real stack (Envoy, one extproc worker, a
@@ -41,7 +43,7 @@ import httpx
 import yaml
 from rich.progress import Progress
 
-from bench.cache_semantic import Pair, evaluate
+from bench.cache_semantic import Pair, crowded, evaluate
 from bench.common import emit
 from extproc.cache.semantic import SemanticIndex
 from extproc.config import SemanticCacheSpec, parse_config
@@ -231,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
                     r["auto_added_p50_ms"] for r in stack), 3)
         if not args.no_cache:
             out["cache"] = cache_blind(progress)
+            # as a busy cache meets them: each writer's a prompts in one partition, every b looked up
+            out["cache_crowded"] = crowded(cache_pairs(), 1, progress)
             for precision in args.cache_precisions:
                 at = cache_blind(progress, precision=precision)
                 out.setdefault("cache_at_precision", {})[str(precision)] = {

@@ -12,8 +12,8 @@ Each pair is evaluated as the cache meets it (``evaluate``): ``a`` alone in a fr
 precision = true hits / hits; recall = true hits / same pairs. ``evaluate`` is also what
 ``bench.blind`` and ``bench.cache`` run.
 
-Crowded: every ``a`` prompt in one partition and every ``b`` looked up from its text, ``--rounds``
-times: the cost of one lookup (embedding with both encoders, the prompt's features, the search,
+Crowded: every ``a`` prompt of a set in one partition and every ``b`` looked up from its text,
+``--rounds`` times: the cost of one lookup (embedding with both encoders, the prompt's features, the search,
 the check of up to 8 candidates; median and p90), and the hits on another pair's ``a`` (counted
 false: a few pairs do ask what another pair asks). Full partition: one lookup of a prepared prompt
 against 10,000 stored prompts (random vectors beside real prompts' features): the search and the
@@ -128,12 +128,15 @@ def evaluate(pairs: list[Pair] | None = None, *, progress: Progress | None = Non
 
 
 def crowded(pairs: list[Pair], rounds: int, progress: Progress) -> dict[str, Any]:
-    """Every ``a`` prompt in one partition, every ``b`` prompt looked up from its text: the cost of
-    one ``match`` (median and p90 milliseconds), and the hits on another pair's ``a``."""
+    """Each split's ``a`` prompts in one partition (a split: one set or writer), every ``b`` prompt
+    looked up from its text: the cost of one ``match`` (median and p90 milliseconds), and the
+    hits, a hit on another pair's ``a`` counted false."""
     spec = SemanticCacheSpec()
     index = SemanticIndex(build_embedder(spec.embedder), spec.threshold)
-    for prompt in index.prepare_many(list(dict.fromkeys(p.a for p in pairs))):
-        index.add("", prompt, prompt.text.encode())
+    stored = list(dict.fromkeys((p.split, p.a) for p in pairs))
+    prepared = index.prepare_many([text for _, text in stored])
+    for (split, _), prompt in zip(stored, prepared, strict=True):
+        index.add(split, prompt, prompt.text.encode())
     task = progress.add_task("crowded lookups", total=rounds * len(pairs))
     times = []
     hit = np.zeros(len(pairs), dtype=bool)
@@ -142,20 +145,23 @@ def crowded(pairs: list[Pair], rounds: int, progress: Progress) -> dict[str, Any
     for round_ in range(rounds):
         for i, pair in enumerate(pairs):
             started = time.perf_counter()
-            found = index.match("", pair.b)
+            found = index.match(pair.split, pair.b)
             times.append(time.perf_counter() - started)
             progress.advance(task)
             if round_ == 0 and found is not None:
                 hit[i], right[i], other[i] = True, found.text == pair.a and pair.same, found.text != pair.a
     times.sort()
     same = np.array([p.same for p in pairs])
-    hits, true_hits = int(hit.sum()), int(right.sum())
-    return {"entries": index.size(""),
-            "precision": round(true_hits / hits, 4) if hits else None,
-            "recall": round(true_hits / int(same.sum()), 4), "hits": hits, "false_hits": hits - true_hits,
-            "on_another_pair": int(other.sum()),
-            "lookup_ms": {"median": round(statistics.median(times) * 1e3, 2),
-                          "p90": round(times[int(0.9 * len(times))] * 1e3, 2)}}
+    out: dict[str, Any] = {"entries": sum(index.size(split) for split in dict.fromkeys(p.split for p in pairs))}
+    for split in [*dict.fromkeys(p.split for p in pairs), "all"]:
+        rows = np.array([split in ("all", p.split) for p in pairs])
+        hits, true_hits = int(hit[rows].sum()), int(right[rows].sum())
+        out[split] = {"precision": round(true_hits / hits, 4) if hits else None,
+                      "recall": round(true_hits / int((same & rows).sum()), 4), "hits": hits,
+                      "false_hits": hits - true_hits, "on_another_pair": int(other[rows].sum())}
+    out["lookup_ms"] = {"median": round(statistics.median(times) * 1e3, 2),
+                        "p90": round(times[int(0.9 * len(times))] * 1e3, 2)}
+    return out
 
 
 def full_partition_cost(pairs: list[Pair], progress: Progress) -> dict[str, float]:
