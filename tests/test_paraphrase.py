@@ -340,3 +340,16 @@ def test_the_cross_encoder_runs_outside_the_index_lock(monkeypatch: pytest.Monke
     monkeypatch.setattr(index, "_cross", cross)
     match = index.match("t", "Is every rectangle a square?")
     assert free == [True] and match is not None and match.key == b"k1" and index.size("t") == 2
+
+
+def test_two_prompts_unrelated_in_meaning_are_never_served() -> None:
+    # The model's parts were fitted on paraphrases and near misses only: before the floor, they read
+    # this pair (the second encoder's cosine 0.27) as a heavy rewording and served it.
+    model = ParaphraseModel.load()
+    assert 0.2 < model.min_meaning < 0.5
+    index = SemanticIndex(build_embedder("minilm"), capacity=10)
+    stored = "You are a senior DevOps engineer. Answer with concrete commands where possible. How do I rotate logs?"
+    index.add("t", stored, b"k")
+    query = index.prepare("In CSS, how can I center a div both vertically and horizontally?")
+    assert query.meaning is not None and float(query.meaning @ index.prepare(stored).meaning) < model.min_meaning
+    assert index.match("t", query) is None

@@ -302,6 +302,12 @@ class ParaphraseModel:
     # (cross-validated precision, the threshold that held it), for operators who want another trade-off
     operating_points: tuple[tuple[float, float], ...] = ()
     stack: Stack | None = None  # where the cross-encoder (``extproc.cache.pairs``) votes too
+    # No pair whose second encoder's cosine is below it is served (but the same words): 98% of the
+    # training paraphrases are above it. The model's parts were fitted on paraphrases and near
+    # misses, never on two unrelated prompts, and read some of those as heavy rewordings ("How do
+    # you quit Vim?" / "how to undo the last git commit"): in a partition of many prompts, where
+    # unrelated candidates pass the cosine floor, that served wrong answers.
+    min_meaning: float = 0.0
     _model: Stumps = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -341,21 +347,26 @@ class ParaphraseModel:
     def accepts(self, cosine: float, a: PromptFeatures, b: PromptFeatures,
                 vectors: tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None] | None = None,
                 cross: Callable[[], float] | None = None) -> bool:
-        """Whether ``b``'s stored answer is served for ``a``: no veto, and the same words or the
-        model's yes. ``vectors``: ``a``'s and ``b``'s embedder vectors, then their second
-        encoder's (a model with a logistic part refuses a pair without them); ``cross``: the
-        cross-encoder's vote on (``a``, ``b``), asked only where it can change the answer (a
-        model with a ``stack`` refuses such a pair without it)."""
+        """Whether ``b``'s stored answer is served for ``a``: no veto, and the same words or (the
+        second encoder's cosine at least ``min_meaning``) the model's yes. ``vectors``: ``a``'s and
+        ``b``'s embedder vectors, then their second encoder's (a model with a logistic part or a
+        floor refuses a pair without them); ``cross``: the cross-encoder's vote on (``a``, ``b``),
+        asked only where it can change the answer (a model with a ``stack`` refuses such a pair
+        without it)."""
         if veto(a, b) is not None:
             return False
         if same_words(a, b):
             return True
         features = pair_features(cosine, a, b)
         pair = None
-        if self.linear is not None:
+        if self.linear is not None or self.min_meaning > 0:
             if vectors is None or vectors[2] is None or vectors[3] is None:
                 return False
-            pair = pair_vector(features, vectors[0], vectors[1], vectors[2], vectors[3])
+            first, second = vectors[2], vectors[3]
+            if float(first @ second) < self.min_meaning:  # unrelated in meaning, whatever else they share
+                return False
+            if self.linear is not None:
+                pair = pair_vector(features, vectors[0], vectors[1], first, second)
         if self.stack is None:
             return self.same(features, pair)
         # The cross-encoder can move the vote by at most ``CROSS_CAP`` times its weight: outside
@@ -389,7 +400,7 @@ class ParaphraseModel:
             linear["stack"] = {"words_and_vectors": self.stack.words_and_vectors, "cross": self.stack.cross,
                                "bias": self.stack.bias}
         return stumps_json(FEATURES, self.stumps, self.bias, embedder=self.embedder, threshold=self.threshold,
-                           min_cosine=self.min_cosine, **linear, **about)
+                           min_cosine=self.min_cosine, min_meaning=self.min_meaning, **linear, **about)
 
     @classmethod
     def load(cls, path: Path = MODEL_PATH) -> ParaphraseModel:
@@ -402,4 +413,5 @@ class ParaphraseModel:
                    data.get("encoder"),
                    tuple((float(p["precision"]), float(p["threshold"])) for p in data.get("operating_points", ())),
                    None if stack is None else Stack(float(stack["words_and_vectors"]), float(stack["cross"]),
-                                                    float(stack["bias"])))
+                                                    float(stack["bias"])),
+                   float(data.get("min_meaning", 0.0)))
