@@ -41,6 +41,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import random
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +71,7 @@ from extproc.stumps import fit_stumps
 DATA = Path(__file__).parent / "data"
 FOLDS_PATH = DATA / "pair_encoder_folds.json"  # bench.train_pair_encoder writes it
 BLIND = DATA / "blind"  # only their prompts' texts are read here, to leave those out of training
+DRAWN_SHARE, DRAWN_BAND = 0.2, (0.15, 0.9)  # drawn pairs a file (``drawn``), and their MiniLM cosines
 MEANING_QUANTILE = 0.02  # of the paraphrases' second-encoder cosines: the serving floor ``min_meaning``
 DRAWS, LOW_QUANTILE = 1000, 0.05  # threshold_for's draws of writers, and the share of them that may fall short
 TRAINING = (DATA / "paraphrases.yaml", DATA / "paraphrases_fresh.yaml",
@@ -78,12 +81,46 @@ TRAINING = (DATA / "paraphrases.yaml", DATA / "paraphrases_fresh.yaml",
 def pairs() -> list[tuple[str, str, bool, str]]:
     """The training pairs: (a, b, same, the file it comes from), but for those with a prompt that a
     blind set has too (common questions, written by both sides): the blind figure must be of
-    prompts never seen."""
+    prompts never seen; then each file's drawn pairs (``drawn``)."""
     seen = {text.strip().lower() for path in sorted(BLIND.glob("cache_pairs_*.yaml"))
             for pair in yaml.safe_load(path.read_text())["pairs"] for text in (pair["a"], pair["b"])}
-    return [(p["a"], p["b"], bool(p["same"]), path.name) for path in TRAINING
-            for p in yaml.safe_load(path.read_text())["pairs"]
-            if p["a"].strip().lower() not in seen and p["b"].strip().lower() not in seen]
+    labelled = [(p["a"], p["b"], bool(p["same"]), path.name) for path in TRAINING
+                for p in yaml.safe_load(path.read_text())["pairs"]
+                if p["a"].strip().lower() not in seen and p["b"].strip().lower() not in seen]
+    return labelled + drawn(labelled)
+
+
+def drawn(labelled: list[tuple[str, str, bool, str]]) -> list[tuple[str, str, bool, str]]:
+    """Pairs no writer wrote, as a partition holding many prompts offers them: for ``DRAWN_SHARE``
+    of each file's pairs (drawn with a seed from the file's name), its ``b`` beside another pair's
+    ``a`` of the same file, drawn among those whose MiniLM cosine with it lies in ``DRAWN_BAND`` (a
+    candidate the index would check, not likely a rewording of it), labelled different. A prompt
+    that a labelled pair already joins to ``b``, the same text, or the same words are not drawn.
+    Without them the check's parts never saw two unrelated prompts and read some as a heavy
+    rewording ("How do you quit Vim?" / "how to undo the last git commit")."""
+    files: dict[str, list[tuple[str, str, bool, str]]] = {}
+    for pair in labelled:
+        files.setdefault(pair[3], []).append(pair)
+    texts = list(dict.fromkeys(t for a, b, *_ in labelled for t in (a, b)))
+    embedder = build_embedder("minilm")
+    vectors: dict[str, np.ndarray] = {}
+    for start in range(0, len(texts), 64):
+        vectors.update(zip(texts[start:start + 64], embedder.embed(texts[start:start + 64]), strict=True))
+    joined = {frozenset((a.strip().lower(), b.strip().lower())) for a, b, *_ in labelled}
+    out = []
+    low, high = DRAWN_BAND
+    for name, file_pairs in files.items():
+        rng = random.Random(zlib.crc32(name.encode()))
+        stored = list(dict.fromkeys(a for a, *_ in file_pairs))
+        matrix = np.stack([vectors[a] for a in stored])
+        for _, b, *_ in rng.sample(file_pairs, round(DRAWN_SHARE * len(file_pairs))):
+            cosines = matrix @ vectors[b]
+            fits = [a for a, cosine in zip(stored, cosines, strict=True) if low <= cosine < high
+                    and frozenset((a.strip().lower(), b.strip().lower())) not in joined
+                    and not same_words(read(a), read(b))]
+            if fits:
+                out.append((b, rng.choice(fits), False, name))
+    return out
 
 
 def embed_all(embedder_name: str, texts: list[str], progress: Progress) -> dict[str, np.ndarray]:
