@@ -4,7 +4,9 @@
 Training data: this project's own labelled pairs, ``bench/data/paraphrases.yaml``,
 ``paraphrases_fresh.yaml`` and ``paraphrases_train_*.yaml`` (37 files, one writer each: paraphrases
 and near misses of every kind, over twenty languages; 13,513 pairs once those sharing a prompt with
-the blind sets are left out). The shipped model was trained on all of them.
+the blind sets are left out), and 2,702 pairs drawn from them (``drawn``: a rewording beside
+another pair's prompt of its file, labelled different). The shipped model was trained on all of
+them.
 The blind sets (``bench/data/blind/``) are not trained on: ``python -m bench.blind`` measures the
 trained model on them afterwards. Only their prompts' texts are read here, so that a training pair
 sharing a prompt with them (a common question both sides wrote) is left out.
