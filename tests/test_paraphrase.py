@@ -45,6 +45,8 @@ def test_a_prompt_is_read_once_for_its_numbers_units_quotes_code_and_negations()
     ("Solve 2x + 3 = 11", "Solve 2x - 3 = 11", "arithmetic"),
     ("Convert 100 miles to km", "Convert 100 km to km", "units"),
     ("What does 'ephemeral' mean?", "What does 'eternal' mean?", "quoted"),
+    ("Compute the SHA-256 hash of 'hello'", "Compute the SHA-256 hash of 'Hello'", "quoted"),  # a literal's case
+    ("What does `-p` do in `docker run`?", "What does `-P` do in `docker run`?", "quoted"),
     ("Why does foo_bar() fail?", "Why does foo_baz() fail?", "code"),
     ("Why does my code compile?", "Why doesn't my code compile?", "negation"),
 ])
@@ -55,6 +57,7 @@ def test_a_veto_names_what_differs(first: str, second: str, kind: str) -> None:
 @pytest.mark.parametrize(("first", "second"), [
     ("Give me three tips for sleeping", "Give me 3 tips for sleeping"),  # a number in words and in digits
     ("What's the plural of 'cactus'?", "What is the plural of the word cactus?"),  # a quote found unquoted
+    ("What does 'FYI' mean?", "fyi stands for?"),  # ... in another case: only a string both quote keeps its case
     ("I forgot my password", "I can't remember my password"),  # a negation that is not the only change
 ])
 def test_what_only_one_prompt_states_is_no_veto(first: str, second: str) -> None:

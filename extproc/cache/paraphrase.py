@@ -131,7 +131,8 @@ class PromptFeatures:
     digits: frozenset[str]  # numbers written in digits
     operators: frozenset[str]  # arithmetic between numbers or terms (in a text with digits)
     units: frozenset[str]  # units of its numbers
-    quoted: frozenset[str]
+    quoted: frozenset[str]  # lower-cased, spacing collapsed
+    quoted_as_written: frozenset[str]  # ... in their own case
     code: frozenset[str]
     negations: int
     chars: int
@@ -144,7 +145,8 @@ def read(text: str) -> PromptFeatures:
     """``text``'s words (lower-cased), numbers, quoted strings, code identifiers and negations."""
     lower = text.lower()
     words = tuple(_WORD.findall(lower))
-    quoted = frozenset(" ".join("".join(groups).lower().split()) for groups in _QUOTED.findall(text))
+    as_written = frozenset(" ".join("".join(groups).split()) for groups in _QUOTED.findall(text))
+    quoted = frozenset(q.lower() for q in as_written)
     negations = sum(word in _NEGATIONS for word in words) + len(_NOT.findall(lower))
     units = frozenset(unit for after, before in _UNIT_TOKEN.findall(lower)
                       if (unit := _unit(after.lstrip("°") or before)))
@@ -152,7 +154,7 @@ def read(text: str) -> PromptFeatures:
     not_written_out = _CONTRACTED.sub(lambda m: _EXPANDED.get(m[0], m[1] + " not"), lower)
     affirmed = frozenset(_WORD.findall(not_written_out))
     collapsed = " ".join(lower.split())
-    return PromptFeatures(words, frozenset(_NUMBER.findall(text)), operators, units, quoted,
+    return PromptFeatures(words, frozenset(_NUMBER.findall(text)), operators, units, quoted, as_written,
                           frozenset(_CODE.findall(text)), negations, len(text), collapsed,
                           " ".join(_written_out(not_written_out).split()).rstrip("?!.。？！ "), affirmed)
 
@@ -186,13 +188,16 @@ def veto(a: PromptFeatures, b: PromptFeatures) -> str | None:
 
     Each kind is compared only where both prompts state some ("three tips" and "3 tips", "Node.js"
     and "nodejs" are not refused for it): numbers in digits, operators between them, units of the
-    numbers, code identifiers. A quoted string must appear in the other prompt, quoted or not. A
+    numbers, code identifiers. A quoted string must appear in the other prompt, quoted or not, and
+    where both quote it, in the same case (a literal: 'hello' is not 'Hello', `-p` is not `-P`). A
     negation counts where it is the difference: the prompts' other words are the same but one."""
     for kind, first, second in (("numbers", a.digits, b.digits), ("arithmetic", a.operators, b.operators),
                                 ("units", a.units, b.units), ("code", a.code, b.code)):
         if first and second and first != second:
             return kind
     if any(q not in b.collapsed for q in a.quoted) or any(q not in a.collapsed for q in b.quoted):
+        return "quoted"
+    if _case_differs(a.quoted_as_written, b.quoted_as_written):
         return "quoted"
     if a.negations != b.negations and len((a.affirmed - _NEGATIONS) ^ (b.affirmed - _NEGATIONS)) <= 1:
         return "negation"
@@ -204,6 +209,18 @@ def same_words(a: PromptFeatures, b: PromptFeatures) -> bool:
     "do not") and a closing ?, ! or .: one request ("C#" and "C++", "+" and "-" are not the same
     words)."""
     return a.normalised == b.normalised
+
+
+def _case_differs(first: frozenset[str], second: frozenset[str]) -> bool:
+    """Whether a string both quote is written in another case in each (none of the ways one
+    writes it is the other's)."""
+    if not first or not second:
+        return False
+    cases: dict[str, tuple[set[str], set[str]]] = {}
+    for side, strings in enumerate((first, second)):
+        for q in strings:
+            cases.setdefault(q.lower(), (set(), set()))[side].add(q)
+    return any(a and b and not a & b for a, b in cases.values())
 
 
 def pair_features(cosine: float, a: PromptFeatures, b: PromptFeatures) -> list[float]:
