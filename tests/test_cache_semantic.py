@@ -104,17 +104,19 @@ def test_the_check_refuses_a_near_miss_that_cosine_accepts() -> None:
     assert checked.match("", bare.prepare("What is 17 times 24?")) is None  # prepared without its features: read now
 
 
-def test_the_best_candidate_the_check_accepts_wins() -> None:
+def test_only_the_nearest_candidate_is_checked_unless_more_are_asked_for() -> None:
     embedder = MiniLMTable({
         "What is 17 times 23?": [1.0, 0.0] + [0.0] * 382,
         "What is 17 times 24?": [1.0, 0.0] + [0.0] * 382,  # nearest, but another number
         "what is 17 times 23": [0.99, 0.14107] + [0.0] * 382,  # the same words
     })
-    index = SemanticIndex(embedder, threshold=0.9)
-    index.add("", "What is 17 times 24?", key(1))
-    index.add("", "what is 17 times 23", key(2))
-    found = index.match("", "What is 17 times 23?")
-    assert found is not None and found.key == key(2)  # "24" scores higher but is vetoed
+    nearest, two = SemanticIndex(embedder, threshold=0.9), SemanticIndex(embedder, threshold=0.9, candidates=2)
+    for index in (nearest, two):
+        index.add("", "What is 17 times 24?", key(1))
+        index.add("", "what is 17 times 23", key(2))
+    assert nearest.candidates == 1 and nearest.match("", "What is 17 times 23?") is None  # "24" is vetoed
+    found = two.match("", "What is 17 times 23?")
+    assert found is not None and found.key == key(2)  # the best candidate the check accepts wins
 
 
 @pytest.mark.parametrize("check", ["rules", "guard"])
