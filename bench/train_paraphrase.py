@@ -45,6 +45,7 @@ import datetime
 import json
 import random
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -81,33 +82,38 @@ TRAINING = (DATA / "paraphrases.yaml", DATA / "paraphrases_fresh.yaml",
 
 
 def pairs() -> list[tuple[str, str, bool, str]]:
-    """The training pairs: (a, b, same, the file it comes from), but for those with a prompt that a
-    blind set has too (common questions, written by both sides): the blind figure must be of
-    prompts never seen; then each file's drawn pairs (``drawn``)."""
-    seen = {text.strip().lower() for path in sorted(BLIND.glob("cache_pairs_*.yaml"))
-            for pair in yaml.safe_load(path.read_text())["pairs"] for text in (pair["a"], pair["b"])}
-    labelled = [(p["a"], p["b"], bool(p["same"]), path.name) for path in TRAINING
-                for p in yaml.safe_load(path.read_text())["pairs"]
-                if p["a"].strip().lower() not in seen and p["b"].strip().lower() not in seen]
+    """The training pairs: the labelled ones (``labelled_pairs``), then each file's drawn pairs
+    (``drawn``)."""
+    labelled = labelled_pairs()
     return labelled + drawn(labelled)
 
 
-def drawn(labelled: list[tuple[str, str, bool, str]]) -> list[tuple[str, str, bool, str]]:
+def labelled_pairs() -> list[tuple[str, str, bool, str]]:
+    """The labelled pairs: (a, b, same, the file it comes from), but for those with a prompt that a
+    blind set has too (common questions, written by both sides): the blind figure must be of
+    prompts never seen."""
+    seen = {text.strip().lower() for path in sorted(BLIND.glob("cache_pairs_*.yaml"))
+            for pair in yaml.safe_load(path.read_text())["pairs"] for text in (pair["a"], pair["b"])}
+    return [(p["a"], p["b"], bool(p["same"]), path.name) for path in TRAINING
+            for p in yaml.safe_load(path.read_text())["pairs"]
+            if p["a"].strip().lower() not in seen and p["b"].strip().lower() not in seen]
+
+
+def drawn(labelled: list[tuple[str, str, bool, str]], vectors: Mapping[str, np.ndarray] | None = None
+          ) -> list[tuple[str, str, bool, str]]:
     """Pairs no writer wrote, as a partition holding many prompts offers them: for ``DRAWN_SHARE``
     of each file's pairs (drawn with a seed from the file's name), its ``b`` beside another pair's
     ``a`` of the same file, drawn among those whose MiniLM cosine with it lies in ``DRAWN_BAND`` (a
     candidate the index would check, not likely a rewording of it), labelled different. A prompt
     that a labelled pair already joins to ``b``, the same text, or the same words are not drawn.
     Without them the check's parts never saw two unrelated prompts and read some as a heavy
-    rewording ("How do you quit Vim?" / "how to undo the last git commit")."""
+    rewording ("How do you quit Vim?" / "how to undo the last git commit"). ``vectors``: the
+    prompts' MiniLM vectors (embedded here if not given)."""
     files: dict[str, list[tuple[str, str, bool, str]]] = {}
     for pair in labelled:
         files.setdefault(pair[3], []).append(pair)
-    texts = list(dict.fromkeys(t for a, b, *_ in labelled for t in (a, b)))
-    embedder = build_embedder("minilm")
-    vectors: dict[str, np.ndarray] = {}
-    for start in range(0, len(texts), 64):
-        vectors.update(zip(texts[start:start + 64], embedder.embed(texts[start:start + 64]), strict=True))
+    if vectors is None:
+        vectors = embed_all("minilm", list(dict.fromkeys(t for a, b, *_ in labelled for t in (a, b))))
     joined = {frozenset((a.strip().lower(), b.strip().lower())) for a, b, *_ in labelled}
     out = []
     low, high = DRAWN_BAND
@@ -125,25 +131,30 @@ def drawn(labelled: list[tuple[str, str, bool, str]]) -> list[tuple[str, str, bo
     return out
 
 
-def embed_all(embedder_name: str, texts: list[str], progress: Progress) -> dict[str, np.ndarray]:
+def embed_all(embedder_name: str, texts: list[str], progress: Progress | None = None) -> dict[str, np.ndarray]:
     """Each text's vector from ``embedder_name``."""
     embedder = build_embedder(embedder_name)
-    task = progress.add_task(f"embedding {len(texts)} prompts ({embedder_name})", total=len(texts))
+    task = None if progress is None else progress.add_task(f"embedding {len(texts)} prompts ({embedder_name})",
+                                                           total=len(texts))
     vectors: dict[str, np.ndarray] = {}
     for start in range(0, len(texts), 32):
         chunk = texts[start:start + 32]
         vectors.update(zip(chunk, embedder.embed(chunk), strict=True))
-        progress.advance(task, len(chunk))
+        if progress is not None and task is not None:
+            progress.advance(task, len(chunk))
     return vectors
 
 
-def features(embedder_name: str, data: list[tuple[str, str, bool, str]], progress: Progress
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each pair's stump features, with ``embedder_name``'s cosine; its ``pair_vector`` (the
-    second encoder's vectors too); and what the steps before the model say of it: 0 (a veto: never
-    served), 1 (the same words: served), else -1 (the model decides)."""
+def features(embedder_name: str, data: list[tuple[str, str, bool, str]], progress: Progress,
+             vectors: Mapping[str, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each pair's stump features, with ``embedder_name``'s cosine (``vectors``: its vectors of
+    every prompt, where the caller has them); its ``pair_vector`` (the second encoder's vectors
+    too); and what the steps before the model say of it: 0 (a veto: never served), 1 (the same
+    words: served), else -1 (the model decides)."""
     texts = list(dict.fromkeys(t for a, b, *_ in data for t in (a, b)))
-    vectors, meanings = embed_all(embedder_name, texts, progress), embed_all(ENCODER, texts, progress)
+    if vectors is None:
+        vectors = embed_all(embedder_name, texts, progress)
+    meanings = embed_all(ENCODER, texts, progress)
     read_once = {text: read(text) for text in texts}
     x = np.array([pair_features(float(vectors[a] @ vectors[b]), read_once[a], read_once[b]) for a, b, *_ in data])
     pair = np.array([pair_vector(row, vectors[a], vectors[b], meanings[a], meanings[b])
@@ -241,11 +252,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-cross", action="store_true", help="no cross-encoder: the words and vectors alone")
     parser.add_argument("--write", action="store_true", help=f"write {MODEL_PATH.name}")
     args = parser.parse_args(argv)
-    data = pairs()
-    same = np.array([s for _, _, s, _ in data], dtype=float)
-    files = np.array([name for *_, name in data])
     with Progress(transient=True) as progress:
-        x, pair, ruled = features(args.embedder, data, progress)
+        labelled = labelled_pairs()
+        # MiniLM's vectors, once: the drawn pairs are chosen by them, and the cosine feature is theirs
+        minilm = embed_all("minilm", list(dict.fromkeys(t for a, b, *_ in labelled for t in (a, b))), progress)
+        data = labelled + drawn(labelled, minilm)
+        same = np.array([s for _, _, s, _ in data], dtype=float)
+        files = np.array([name for *_, name in data])
+        x, pair, ruled = features(args.embedder, data, progress, minilm if args.embedder == "minilm" else None)
         learned = ruled < 0  # the model is trained on, and decides, the pairs the steps before it leave open
         log_odds = np.zeros(len(data))
         task = progress.add_task("cross-validating, one writer's file held out at a time", total=len(TRAINING))
