@@ -479,6 +479,7 @@ class StackInfo:
     config_path: Path
     log_dir: Path
     metrics_url: str | None = None
+    pod_snapshot: Path | None = None  # the pods' scraped state, as the workers share it (see podstate)
 
 
 class LocalStack:
@@ -508,6 +509,9 @@ class LocalStack:
         spec = load_spec(opts.config_path)
         pod_urls = self._start_pods(spec)
         resolved = _with_endpoints(spec, pod_urls)
+        scrape = resolved["endpoint_picker"]["scrape"]
+        if scrape["path"] is None:  # the stack's own: its workers and coordinator share it; it goes with the run dir
+            scrape["path"] = str(opts.run_dir / "pods.json")
         config_path = opts.run_dir / "llmgw.resolved.yaml"
         coordinator: tuple[str, int] | None = None
         if any(merges(pool) for pool in spec.pools):  # the batching coordinator, on a port of its own
@@ -585,7 +589,7 @@ class LocalStack:
         metrics_url = f"http://127.0.0.1:{self.metrics.port}/metrics" if self.metrics else None
         scheme = "https" if opts.tls else "http"
         self.info = StackInfo(f"{scheme}://127.0.0.1:{listen_port}", admin_url, f"127.0.0.1:{extproc_port}",
-                              pod_urls, config_path, self.log_dir, metrics_url)
+                              pod_urls, config_path, self.log_dir, metrics_url, Path(scrape["path"]))
         return self.info
 
     def _start_pods(self, spec: GatewaySpec) -> dict[str, list[str]]:

@@ -99,7 +99,9 @@ class ScrapeSpec(_Strict):
     interval_s: Annotated[float, Field(gt=0, le=60)] = 0.5
     timeout_s: Annotated[float, Field(gt=0, le=60)] = 1.0
     stale_after_intervals: Annotated[int, Field(ge=1, le=1000)] = 8
-    path: str | None = None  # the node's shared snapshot file (default: in the temp dir, named by the pods)
+    # The node's shared snapshot file (default: in the temp dir, named by the pods; `llmgw up`: pods.json in
+    # its run directory).
+    path: str | None = None
 
 
 class EndpointPickerSpec(_Strict):

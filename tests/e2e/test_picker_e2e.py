@@ -148,11 +148,9 @@ def _adapter_request(base: str, model: str, request_id: str, max_tokens: int) ->
 
 
 def test_adapters_go_where_they_are_loaded_or_where_there_is_room(lora_pods: StackInfo) -> None:
-    from extproc.routing.podstate import default_state_path
-
     base, tag = lora_pods.base_url, uuid.uuid4().hex[:8]
-    pods = [url.removeprefix("http://") for url in lora_pods.pod_urls["local"]]
-    snapshot = default_state_path(pods)  # the node's scrape, as the gateway's workers read it
+    snapshot = lora_pods.pod_snapshot  # the node's scrape, as the gateway's workers read it
+    assert snapshot is not None and snapshot.parent == lora_pods.config_path.parent  # in the stack's run dir
     busy = threading.Thread(target=_adapter_request, args=(base, "sql-lora", f"sql-{tag}", 600))
     busy.start()
     try:
@@ -180,11 +178,10 @@ def queued_pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackInfo]
 def test_a_pod_with_a_queue_is_avoided_though_this_gateway_sent_it_nothing(queued_pods: StackInfo) -> None:
     """The queue comes from elsewhere (another gateway, a batch job): only the scraped
     vllm:num_requests_waiting tells the picker, not its own in-flight count."""
-    from extproc.routing.podstate import default_state_path
-
     base, tag = queued_pods.base_url, uuid.uuid4().hex[:8]
     urls = queued_pods.pod_urls["local"]
-    snapshot = default_state_path(url.removeprefix("http://") for url in urls)
+    snapshot = queued_pods.pod_snapshot
+    assert snapshot is not None
     loaded = urls[0].removeprefix("http://")
     body = {"model": MODEL, "prompt": "x", "max_tokens": 150, "ignore_eos": True}
     direct = [threading.Thread(target=httpx.post, args=(f"{urls[0]}/v1/completions",),
