@@ -13,9 +13,10 @@ precision = true hits / hits; recall = true hits / same pairs. ``evaluate`` is a
 ``bench.blind`` and ``bench.cache`` run.
 
 Crowded: every ``a`` prompt of a set in one partition and every ``b`` looked up from its text,
-``--rounds`` times: the cost of one lookup (embedding with both encoders, the prompt's features, the search,
-the check of up to 8 candidates; median and p90), and the hits on another pair's ``a`` (counted
-false: a few pairs do ask what another pair asks). Full partition: one lookup of a prepared prompt
+``--rounds`` times: the cost of one lookup (embedding with both encoders, the prompt's features,
+the search, the check of the nearest candidate, or of more with ``crowded(candidates=)``; median
+and p90), and the hits on another pair's ``a`` (counted false: a few pairs do ask what another
+pair asks). Full partition: one lookup of a prepared prompt
 against 10,000 stored prompts (random vectors beside real prompts' features): the search and the
 check alone.
 
@@ -41,7 +42,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from bench.common import calibration_ms, emit
-from extproc.cache.semantic import DEFAULT_CAPACITY, Check, Prompt, SemanticIndex
+from extproc.cache.semantic import DEFAULT_CANDIDATES, DEFAULT_CAPACITY, Check, Prompt, SemanticIndex
 from extproc.config import SemanticCacheSpec
 from extproc.config.schema import OPERATING_POINTS
 from extproc.routing.embedders import Embedder, build_embedder
@@ -127,12 +128,14 @@ def evaluate(pairs: list[Pair] | None = None, *, progress: Progress | None = Non
     return result
 
 
-def crowded(pairs: list[Pair], rounds: int, progress: Progress) -> dict[str, Any]:
+def crowded(pairs: list[Pair], rounds: int, progress: Progress, candidates: int = DEFAULT_CANDIDATES
+            ) -> dict[str, Any]:
     """Each split's ``a`` prompts in one partition (a split: one set or writer), every ``b`` prompt
-    looked up from its text: the cost of one ``match`` (median and p90 milliseconds), and the
-    hits, a hit on another pair's ``a`` counted false."""
+    looked up from its text (``candidates``: how many stored prompts the check is offered): the
+    cost of one ``match`` (median and p90 milliseconds), and the hits, a hit on another pair's
+    ``a`` counted false."""
     spec = SemanticCacheSpec()
-    index = SemanticIndex(build_embedder(spec.embedder), spec.threshold)
+    index = SemanticIndex(build_embedder(spec.embedder), spec.threshold, candidates=candidates)
     stored = list(dict.fromkeys((p.split, p.a) for p in pairs))
     prepared = index.prepare_many([text for _, text in stored])
     for (split, _), prompt in zip(stored, prepared, strict=True):
