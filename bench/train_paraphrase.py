@@ -112,8 +112,10 @@ def drawn(labelled: list[tuple[str, str, bool, str]], vectors: Mapping[str, np.n
     files: dict[str, list[tuple[str, str, bool, str]]] = {}
     for pair in labelled:
         files.setdefault(pair[3], []).append(pair)
+    texts = list(dict.fromkeys(t for a, b, *_ in labelled for t in (a, b)))
     if vectors is None:
-        vectors = embed_all("minilm", list(dict.fromkeys(t for a, b, *_ in labelled for t in (a, b))))
+        vectors = embed_all("minilm", texts)
+    facts = {text: read(text) for text in texts}  # once a prompt, not once a candidate
     joined = {frozenset((a.strip().lower(), b.strip().lower())) for a, b, *_ in labelled}
     out = []
     low, high = DRAWN_BAND
@@ -125,7 +127,7 @@ def drawn(labelled: list[tuple[str, str, bool, str]], vectors: Mapping[str, np.n
             cosines = matrix @ vectors[b]
             fits = [a for a, cosine in zip(stored, cosines, strict=True) if low <= cosine < high
                     and frozenset((a.strip().lower(), b.strip().lower())) not in joined
-                    and not same_words(read(a), read(b))]
+                    and not same_words(facts[a], facts[b])]
             if fits:
                 out.append((b, rng.choice(fits), False, name))
     return out
