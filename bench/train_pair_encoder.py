@@ -35,6 +35,7 @@ import hashlib
 import json
 import math
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -246,6 +247,9 @@ def main(argv: list[str] | None = None) -> None:
                 model = train(torch, weights, encoded, train_rows, args.seed, progress, task)
                 for order in (0, 1):
                     logits[order, test_rows] = score(torch, model, encoded, test_rows, bool(order))
+                # rich draws its bars on a terminal only: a long run under nohup says where it is here
+                print(f"fold {fold + 1} of {args.folds} done at {time.perf_counter() - started:.0f} s",
+                      file=sys.stderr, flush=True)
             args.oof.write_text(json.dumps({
                 "folds": args.folds, "by": "files (one writer each) dealt round-robin in sorted order",
                 "pairs_digest": pairs_digest(data), "fold": group,
