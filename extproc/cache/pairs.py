@@ -10,7 +10,7 @@ gives the log-odds that the stored answer is right for the query.
 
 The encoder is all-MiniLM-L6-v2 (the weights the semantic cache's embedder already loads) with
 low-rank adapters (LoRA) on every projection, its LayerNorms and segment embeddings retrained, and
-the head: 343,298 numbers (``pair_encoder.npz`` beside this module, 0.7 MB), trained
+the head: 675,074 numbers (``pair_encoder.npz`` beside this module, 1.3 MB), trained
 by ``python -m bench.train_pair_encoder`` (torch, at training time only) on this project's
 labelled pairs. Here the adapters are folded into the weights once, at load, and the pair runs in
 the same numpy forward pass as the embedder (``extproc.routing.embedders.Bert``).
