@@ -49,6 +49,9 @@ def test_a_prompt_is_read_once_for_its_numbers_units_quotes_code_and_negations()
     ("What does `-p` do in `docker run`?", "What does `-P` do in `docker run`?", "quoted"),
     ("Why does foo_bar() fail?", "Why does foo_baz() fail?", "code"),
     ("Why does my code compile?", "Why doesn't my code compile?", "negation"),
+    ("Sum of １２ and 3", "Sum of 13 and 3", "numbers"),  # a full-width number read as the one it is
+    ("Is 1,5 more than 1.5?", "Is 15 more than 1.5?", "numbers"),  # no thousands comma: a decimal one
+    ("What does '?' mean in a regex?", "What does '*' mean in a regex?", "quoted"),  # a quote that is only "?"
 ])
 def test_a_veto_names_what_differs(first: str, second: str, kind: str) -> None:
     assert veto(read(first), read(second)) == kind
@@ -59,6 +62,11 @@ def test_a_veto_names_what_differs(first: str, second: str, kind: str) -> None:
     ("What's the plural of 'cactus'?", "What is the plural of the word cactus?"),  # a quote found unquoted
     ("What does 'FYI' mean?", "fyi stands for?"),  # ... in another case: only a string both quote keeps its case
     ("I forgot my password", "I can't remember my password"),  # a negation that is not the only change
+    ("電気代を節約するコツを5つ教えて", "電気代節約のコツ、５つお願いします"),  # full-width digits are digits
+    ("متى يبدأ رمضان 2027؟", "ما هو موعد رمضان لعام ٢٠٢٧"),  # ... and Arabic-Indic ones
+    ("8% of 1,250", "What is 8% of 1250?"),  # a thousands comma
+    ("Solve x − 5 = 2", "solve x - 5 = 2"),  # the minus sign (U+2212) is the ASCII one
+    ("Translate 'See you tomorrow.' into German", "German for 'See you tomorrow'"),  # a quote's closing period
 ])
 def test_what_only_one_prompt_states_is_no_veto(first: str, second: str) -> None:
     assert veto(read(first), read(second)) is None

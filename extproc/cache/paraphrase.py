@@ -59,6 +59,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import unicodedata
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -81,6 +82,10 @@ FEATURES = ("cosine", "jaccard", "fewest_own", "most_own", "fewest_own_content",
 _CJK = CJK
 _WORD = re.compile(rf"[{_CJK}]|\d+(?:[.,]\d+)*|[^\W\d_{_CJK}]+")
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+_THOUSANDS = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?")  # "1,000" is 1000
+# Operators written full-width, and the minus sign (U+2212), read as ASCII (``_ascii_numbers``)
+_ASCII_OPERATORS = str.maketrans("＋－＊／＝＜＞\u2212", "+-*/=<>-")
+_CLOSING = ".?!。？！"  # a sentence's end inside a quote ("Translate 'See you tomorrow.'") is not the literal's
 _QUOTED = re.compile(r"\"([^\"\n]{1,300})\"|(?<!\w)'([^'\n]{1,300})'(?!\w)|“([^”]{1,300})”|«([^»]{1,300})»"
                      r"|「([^」]{1,300})」|`([^`\n]{1,300})`")
 _CODE = re.compile(r"[A-Za-z_]\w*(?:(?:\.|::|->)\w+)+(?:\(\))?|\b[a-z]+[A-Z]\w*|\b\w+_\w+|\b\w+\(\)")
@@ -145,18 +150,30 @@ def read(text: str) -> PromptFeatures:
     """``text``'s words (lower-cased), numbers, quoted strings, code identifiers and negations."""
     lower = text.lower()
     words = tuple(_WORD.findall(lower))
-    as_written = frozenset(" ".join("".join(groups).split()) for groups in _QUOTED.findall(text))
+    as_written = frozenset(q.rstrip(_CLOSING) or q for groups in _QUOTED.findall(text)
+                           if (q := " ".join("".join(groups).split())))
     quoted = frozenset(q.lower() for q in as_written)
     negations = sum(word in _NEGATIONS for word in words) + len(_NOT.findall(lower))
-    units = frozenset(unit for after, before in _UNIT_TOKEN.findall(lower)
+    numeric = _ascii_numbers(text)
+    units = frozenset(unit for after, before in _UNIT_TOKEN.findall(numeric.lower())
                       if (unit := _unit(after.lstrip("°") or before)))
-    operators = frozenset(_OPERATOR.findall(text)) if _has_digit(text) else frozenset()
+    operators = frozenset(_OPERATOR.findall(numeric)) if _has_digit(numeric) else frozenset()
+    digits = frozenset(n.replace(",", "") if _THOUSANDS.fullmatch(n) else n for n in _NUMBER.findall(numeric))
     not_written_out = _CONTRACTED.sub(lambda m: _EXPANDED.get(m[0], m[1] + " not"), lower)
     affirmed = frozenset(_WORD.findall(not_written_out))
     collapsed = " ".join(lower.split())
-    return PromptFeatures(words, frozenset(_NUMBER.findall(text)), operators, units, quoted, as_written,
+    return PromptFeatures(words, digits, operators, units, quoted, as_written,
                           frozenset(_CODE.findall(text)), negations, len(text), collapsed,
                           " ".join(_written_out(not_written_out).split()).rstrip("?!.。？！ "), affirmed)
+
+
+def _ascii_numbers(text: str) -> str:
+    """``text`` with its digits of other scripts (full-width "５", Arabic-Indic "٢٠٢٧": Unicode
+    decimals) and full-width operators written in ASCII: "５つ" and "5つ" state one number."""
+    if text.isascii():
+        return text
+    return "".join(c if c.isascii() or (digit := unicodedata.decimal(c, None)) is None else str(digit)
+                   for c in text.translate(_ASCII_OPERATORS))
 
 
 # The English contractions other than "n't" (``_CONTRACTED``, written out first) and what they
@@ -187,8 +204,9 @@ def veto(a: PromptFeatures, b: PromptFeatures) -> str | None:
     """What makes the two prompts ask different things whatever else they share (None: nothing).
 
     Each kind is compared only where both prompts state some ("three tips" and "3 tips", "Node.js"
-    and "nodejs" are not refused for it): numbers in digits, operators between them, units of the
-    numbers, code identifiers. A quoted string must appear in the other prompt, quoted or not, and
+    and "nodejs" are not refused for it): numbers in digits (of any script; "1,000" is 1000),
+    operators between them, units of the numbers, code identifiers. A quoted string (less a closing
+    . ? or !: "Translate 'See you soon.'") must appear in the other prompt, quoted or not, and
     where both quote it, in the same case (a literal: 'hello' is not 'Hello', `-p` is not `-P`). A
     negation counts where it is the difference: the prompts' other words are the same but one."""
     for kind, first, second in (("numbers", a.digits, b.digits), ("arithmetic", a.operators, b.operators),
