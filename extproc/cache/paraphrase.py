@@ -85,6 +85,7 @@ _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 _THOUSANDS = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?")  # "1,000" is 1000
 # Operators written full-width, and the minus sign (U+2212), read as ASCII (``_ascii_numbers``)
 _ASCII_OPERATORS = str.maketrans("＋－＊／＝＜＞\u2212", "+-*/=<>-")
+_OTHER_DIGIT = re.compile(r"(?![0-9])\d")  # a decimal digit of another script (``\d`` is Unicode's Nd)
 _CLOSING = ".?!。？！"  # a sentence's end inside a quote ("Translate 'See you tomorrow.'") is not the literal's
 _QUOTED = re.compile(r"\"([^\"\n]{1,300})\"|(?<!\w)'([^'\n]{1,300})'(?!\w)|“([^”]{1,300})”|«([^»]{1,300})»"
                      r"|「([^」]{1,300})」|`([^`\n]{1,300})`")
@@ -164,7 +165,7 @@ def read(text: str) -> PromptFeatures:
     collapsed = " ".join(lower.split())
     return PromptFeatures(words, digits, operators, units, quoted, as_written,
                           frozenset(_CODE.findall(text)), negations, len(text), collapsed,
-                          " ".join(_written_out(not_written_out).split()).rstrip("?!.。？！ "), affirmed)
+                          " ".join(_written_out(not_written_out).split()).rstrip(_CLOSING + " "), affirmed)
 
 
 def _ascii_numbers(text: str) -> str:
@@ -172,8 +173,7 @@ def _ascii_numbers(text: str) -> str:
     decimals) and full-width operators written in ASCII: "５つ" and "5つ" state one number."""
     if text.isascii():
         return text
-    return "".join(c if c.isascii() or (digit := unicodedata.decimal(c, None)) is None else str(digit)
-                   for c in text.translate(_ASCII_OPERATORS))
+    return _OTHER_DIGIT.sub(lambda m: str(unicodedata.decimal(m[0])), text.translate(_ASCII_OPERATORS))
 
 
 # The English contractions other than "n't" (``_CONTRACTED``, written out first) and what they
