@@ -224,9 +224,21 @@ def test_prometheus_scrapes_the_stack_and_every_dashboard_query_returns_data(lan
 
 
 def test_the_tenant_heat_map_is_drawn_from_the_real_prometheus(lane: Lane, tmp_path: Path) -> None:
-    # After the traffic above: local-dev's requests, and trial's 429s (refusals count as errors).
-    data = wait_for("both tenants in the heat map", lambda: (lambda d: d if {"local-dev", "trial"} <= set(d["cells"])
-                                                              else None)(heat_map(lane.prometheus)), 30, interval=1)
+    # Its own traffic, sent until Prometheus shows it: local-dev's answers, and trial's requests past
+    # its rpm of 3 refused (refusals count as errors). One burst would not do: increase() counts only
+    # what a series gained after its first scrape, and a replica's series is born with its first request.
+    def traffic_then_map() -> dict[str, Any] | None:
+        lane.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)  # type: ignore[arg-type]
+        try:
+            lane.client("trial").chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)  # type: ignore[arg-type]
+        except openai.RateLimitError:
+            pass
+        data = heat_map(lane.prometheus)
+        cells = data["cells"]
+        shown = {"local-dev", "trial"} <= set(cells) and sum(failed for _, failed in cells["trial"]) >= 1
+        return data if shown and data["pods"].get("local-dev") else None
+
+    data = wait_for("both tenants in the heat map, trial's 429 with them", traffic_then_map, 90, interval=1)
     assert sum(failed for _, failed in data["cells"]["trial"]) >= 1  # its 429
     assert sum(failed for _, failed in data["cells"]["local-dev"]) == 0
     pods = data["pods"]["local-dev"]
