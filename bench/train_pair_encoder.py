@@ -44,8 +44,8 @@ import numpy as np
 
 from bench.common import emit
 from bench.train_paraphrase import FOLDS_PATH, pairs
-from extproc.cache.pairs import ADAPTED, ADAPTER_PATH, pair_tokenizer
-from extproc.routing.embedders import minilm_model_dir
+from extproc.cache.pairs import ADAPTED, ADAPTER_PATH, BASES, PairBase, pair_base
+from extproc.routing.embedders import WORDS
 
 RANK, ALPHA = 16, 16.0
 EPOCHS, BATCH, LEARNING_RATE, WEIGHT_DECAY, WARMUP = 4, 32, 5e-4, 0.01, 0.06
@@ -57,9 +57,9 @@ def pairs_digest(data: list[tuple[str, str, bool, str]]) -> str:
     return hashlib.sha256(json.dumps([[a, b, same] for a, b, same, _ in data]).encode()).hexdigest()
 
 
-def build_model(torch: Any, weights: dict[str, np.ndarray]) -> Any:
-    """The cross-encoder as a torch module: MiniLM frozen, adapters, LayerNorms, segment embeddings
-    and the head trainable."""
+def build_model(torch: Any, weights: dict[str, np.ndarray], layers: int = 6) -> Any:
+    """The cross-encoder as a torch module: the base encoder (``layers`` deep) frozen; adapters,
+    LayerNorms, segment embeddings and the head trainable."""
     nn, functional = torch.nn, torch.nn.functional
     module: Any = nn.Module  # torch ships no stubs here: its classes are Any to mypy
 
@@ -114,7 +114,7 @@ def build_model(torch: Any, weights: dict[str, np.ndarray]) -> Any:
             self.positions = frozen(weights["embeddings.position_embeddings.weight"])
             self.segments = frozen(weights["embeddings.token_type_embeddings.weight"], True)
             self.ln = Norm("embeddings.LayerNorm")
-            self.layers = nn.ModuleList([Layer(f"encoder.layer.{i}") for i in range(6)])
+            self.layers = nn.ModuleList([Layer(f"encoder.layer.{i}") for i in range(layers)])
             self.head = nn.Linear(2 * self.words.shape[1], 1)
 
         def forward(self, ids: Any, types: Any, mask: Any) -> Any:
@@ -128,9 +128,10 @@ def build_model(torch: Any, weights: dict[str, np.ndarray]) -> Any:
     return CrossEncoder()
 
 
-def adapter_arrays(model: Any) -> dict[str, np.ndarray]:
-    """What ``pair_encoder.npz`` keeps, by the names ``extproc.cache.pairs.adapted_weights`` reads."""
-    arrays: dict[str, np.ndarray] = {"lora_scale": np.array(ALPHA / RANK, dtype=np.float32),
+def adapter_arrays(model: Any, base: str) -> dict[str, np.ndarray]:
+    """What ``pair_encoder.npz`` keeps, by the names ``extproc.cache.pairs.adapted_weights`` reads,
+    and the name of the base (``extproc.cache.pairs.pair_base``)."""
+    arrays: dict[str, np.ndarray] = {"base": np.array(base), "lora_scale": np.array(ALPHA / RANK, dtype=np.float32),
                                      "embeddings.token_type_embeddings.weight": model.segments.detach().numpy(),
                                      "embeddings.LayerNorm.weight": model.ln.weight.detach().numpy(),
                                      "embeddings.LayerNorm.bias": model.ln.bias.detach().numpy(),
@@ -150,9 +151,9 @@ def adapter_arrays(model: Any) -> dict[str, np.ndarray]:
 class Pairs:
     """The pairs as the tokenizer reads them: (query, stored) or the other way round."""
 
-    def __init__(self, data: list[tuple[str, str, bool, str]]) -> None:
-        self.tokenizer = pair_tokenizer(minilm_model_dir())
-        self.data = data
+    def __init__(self, data: list[tuple[str, str, bool, str]], base: PairBase) -> None:
+        self.tokenizer, prepare = base.tokenizer, base.prepare
+        self.data = [(prepare(a), prepare(b), same, name) for a, b, same, name in data]
 
     def encode(self, index: int, swapped: bool) -> tuple[list[int], list[int]]:
         a, b, *_ = self.data[index]
@@ -171,21 +172,21 @@ def padded(torch: Any, items: list[tuple[list[int], list[int]]]) -> tuple[Any, A
     return ids, types, mask
 
 
-def train(torch: Any, weights: dict[str, np.ndarray], encoded: Pairs, rows: list[int], seed: int,
-          progress: Any, task: Any) -> Any:
+def train(torch: Any, weights: dict[str, np.ndarray], layers: int, encoded: Pairs, rows: list[int], seed: int,
+          epochs: int, progress: Any, task: Any) -> Any:
     """A model trained on ``rows``, by the recipe in this module's docstring."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    model = build_model(torch, weights)
+    model = build_model(torch, weights, layers)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
-    steps = EPOCHS * math.ceil(len(rows) / BATCH)
+    steps = epochs * math.ceil(len(rows) / BATCH)
     warm = max(1, int(WARMUP * steps))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min((step + 1) / warm, max(0.0, (steps - step) / (steps - warm))))
     same = torch.tensor([float(encoded.data[i][2]) for i in range(len(encoded.data))])
     model.train()
-    for _ in range(EPOCHS):
+    for _ in range(epochs):
         items = [(i, encoded.encode(i, rng.random() < 0.5)) for i in rows]
         items.sort(key=lambda item: len(item[1][0]) + rng.random() * 6)  # similar lengths, shuffled within
         batches = [items[start:start + BATCH] for start in range(0, len(items), BATCH)]
@@ -218,7 +219,6 @@ def score(torch: Any, model: Any, encoded: Pairs, rows: list[int], swapped: bool
 def main(argv: list[str] | None = None) -> None:
     import torch
     from rich.progress import Progress
-    from safetensors.numpy import load_file
 
     parser = argparse.ArgumentParser(prog="python -m bench.train_pair_encoder", description=__doc__.split("\n\n")[0])
     parser.add_argument("--folds", type=int, default=0, help="cross-validate over this many groups of writers")
@@ -226,15 +226,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--write", action="store_true", help=f"train on every pair and write {ADAPTER_PATH.name}")
     parser.add_argument("--threads", type=int, default=0, help="torch's threads (0: its default)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--base", choices=BASES, default="minilm", help="the encoder under the adapters")
+    parser.add_argument("--epochs", type=int, default=EPOCHS, help="passes over the pairs")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    weights = load_file(str(minilm_model_dir() / "model.safetensors"))
+    base = pair_base(args.base)
+    weights = dict(base.weights)
+    if not isinstance(weights[WORDS], np.ndarray):  # e5's, kept in Q4_0: torch reads them whole
+        weights[WORDS] = weights[WORDS][np.arange(weights[WORDS].shape[0])]
     data = pairs()
-    encoded = Pairs(data)
+    encoded = Pairs(data, base)
     files = sorted(dict.fromkeys(name for *_, name in data))
     group = [files.index(name) % args.folds for *_, name in data] if args.folds else []
-    figures: dict[str, Any] = {"bench": "train_pair_encoder", "pairs": len(data), "rank": RANK, "epochs": EPOCHS}
+    figures: dict[str, Any] = {"bench": "train_pair_encoder", "base": args.base, "pairs": len(data), "rank": RANK,
+                               "epochs": args.epochs}
     started = time.perf_counter()
     with Progress() as progress:
         if args.folds:
@@ -243,8 +249,8 @@ def main(argv: list[str] | None = None) -> None:
                 train_rows = [i for i in range(len(data)) if group[i] != fold]
                 test_rows = [i for i in range(len(data)) if group[i] == fold]
                 task = progress.add_task(f"fold {fold + 1} of {args.folds}",
-                                         total=EPOCHS * math.ceil(len(train_rows) / BATCH))
-                model = train(torch, weights, encoded, train_rows, args.seed, progress, task)
+                                         total=args.epochs * math.ceil(len(train_rows) / BATCH))
+                model = train(torch, weights, base.layers, encoded, train_rows, args.seed, args.epochs, progress, task)
                 for order in (0, 1):
                     logits[order, test_rows] = score(torch, model, encoded, test_rows, bool(order))
                 # rich draws its bars on a terminal only: a long run under nohup says where it is here
@@ -252,15 +258,16 @@ def main(argv: list[str] | None = None) -> None:
                       file=sys.stderr, flush=True)
             args.oof.write_text(json.dumps({
                 "folds": args.folds, "by": "files (one writer each) dealt round-robin in sorted order",
-                "pairs_digest": pairs_digest(data), "fold": group,
+                "base": args.base, "pairs_digest": pairs_digest(data), "fold": group,
                 "logit": [round(float(x), 4) for x in logits[0]],
                 "swapped": [round(float(x), 4) for x in logits[1]]}) + "\n")
             figures["folds"] = args.folds
         if args.write:
-            task = progress.add_task("training on every pair", total=EPOCHS * math.ceil(len(data) / BATCH))
-            model = train(torch, weights, encoded, list(range(len(data))), args.seed, progress, task)
+            task = progress.add_task("training on every pair", total=args.epochs * math.ceil(len(data) / BATCH))
+            every = list(range(len(data)))
+            model = train(torch, weights, base.layers, encoded, every, args.seed, args.epochs, progress, task)
             probes = random.Random(args.seed).sample(range(len(data)), CHECK_PAIRS)
-            arrays: dict[str, Any] = adapter_arrays(model)
+            arrays: dict[str, Any] = adapter_arrays(model, args.base)
             arrays["check.query"] = np.array([data[i][0] for i in probes])
             arrays["check.stored"] = np.array([data[i][1] for i in probes])
             arrays["check.logit"] = score(torch, model, encoded, probes, False)

