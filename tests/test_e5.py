@@ -60,6 +60,7 @@ def test_the_weights_read_every_script_and_keep_the_words_in_four_bits() -> None
     model = e5_model()
     assert model is e5_model()  # one parse while a caller holds it
     assert (model.layers, model.heads, len(model.pieces)) == (12, 12, 250_002)  # 35 more rows of padding
+    assert model.eps == pytest.approx(1e-12, rel=1e-3)  # Bert's LayerNorm epsilon
     words = model.weights[WORDS]
     assert isinstance(words, Q4Rows) and words.shape == (250_037, 384) and words.blocks.nbytes < 60_000_000
     rows = words[np.array([[5, 6], [7, 5]])]

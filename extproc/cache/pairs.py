@@ -22,7 +22,6 @@ against 53.7%, blind pairwise recall at 100% precision 42.5% against 59.0%.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,15 +96,6 @@ def pair_base(name: str = "minilm", model_dir: Path | None = None) -> PairBase:
     raise ValueError(f"no cross-encoder base {name!r}: one of {', '.join(BASES)}")
 
 
-def _return_freed_memory() -> None:
-    """glibc keeps what the load freed (the base's weights once folded: ~170 MB for e5) in its heap
-    for the process to reuse; give it back to the system (a worker: 145 MB of its own, not 318)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
 class PairEncoder:
     """Log-odds that each (query, stored) pair asks for the same answer. ``logits`` is
     synchronous (milliseconds a pair): the cache calls it from its embedding thread."""
@@ -117,8 +107,6 @@ class PairEncoder:
         self.bert = Bert(adapted_weights(base.weights, adapter), layers=base.layers)
         # Not the base's weights: once folded, only its tokenizer is kept.
         self.base_name, self.encode, self.pad_id = base.name, base.encode, base.pad_id
-        del base
-        _return_freed_memory()
         self.head = adapter["head.weight"].astype(np.float32).reshape(-1)
         self.head_bias = float(adapter["head.bias"].reshape(-1)[0])
         # Pairs the trainer scored, with torch's log-odds: the forward pass here must agree.
