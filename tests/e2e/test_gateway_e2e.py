@@ -285,13 +285,20 @@ def access_record(stack: StackInfo, request_id: str, timeout: float = 5.0) -> di
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_access_log_records_usage_and_route(stack: StackInfo, client: openai.OpenAI, stream: bool) -> None:
     request_id = f"obs-{uuid.uuid4()}"
-    kwargs = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
-    response = client.chat.completions.create(model=ALIAS, messages=HELLO, max_tokens=7, seed=1,
-                                              extra_headers={"x-request-id": request_id}, **kwargs)
-    usage = [c.usage for c in response if c.usage][0] if stream else response.usage
+    asked = {"model": ALIAS, "messages": HELLO, "max_tokens": 7, "seed": 1,
+             "extra_headers": {"x-request-id": request_id}}
+    if stream:
+        # Read to the body's last byte: the client's Stream stops at [DONE] and may close the
+        # connection before the chunked body's end arrives, which Envoy logs as a hang-up (DC).
+        with client.chat.completions.with_streaming_response.create(
+                stream=True, stream_options={"include_usage": True}, **asked) as raw:  # type: ignore[arg-type]
+            events = [orjson.loads(line[len("data: "):]) for line in raw.iter_lines() if line.startswith("data: {")]
+        usage = next(event["usage"] for event in events if event.get("usage"))
+    else:
+        usage = client.chat.completions.create(**asked).usage.model_dump()  # type: ignore[arg-type, union-attr]
     record = access_record(stack, request_id)
-    assert record["gen_ai.usage.input_tokens"] == usage.prompt_tokens
-    assert record["gen_ai.usage.output_tokens"] == usage.completion_tokens
+    assert record["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
+    assert record["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
     assert record["gen_ai.request.model"] == ALIAS and record["gen_ai.response.model"] == MODEL
     assert record["llmgw.pool"] == "local" and record["llmgw.kind"] == "served"
     destination = pod_request_with_id(stack, request_id)["headers"]["x-gateway-destination-endpoint"]  # type: ignore[index]
@@ -301,7 +308,7 @@ def test_access_log_records_usage_and_route(stack: StackInfo, client: openai.Ope
     ledger = wait_for("the ledger record", lambda: [
         r for r in read_file(stack.log_dir.parent / "usage.jsonl") if r.request_id == request_id], 3.0, interval=0.05)
     assert len(ledger) == 1  # one record per finished request, in the node's file ledger
-    assert (ledger[0].tenant, ledger[0].output_tokens) == ("team-a", usage.completion_tokens)
+    assert (ledger[0].tenant, ledger[0].output_tokens) == ("team-a", usage["completion_tokens"])
 
 
 def test_client_envoy_control_headers_are_ignored(http: httpx.Client) -> None:
