@@ -78,15 +78,15 @@ class _Reader:
     def __init__(self, data: memoryview) -> None:
         self.data, self.at = data, 0
 
-    def take(self, fmt: str) -> Any:
-        values = struct.unpack_from(f"<{fmt}", self.data, self.at)
-        self.at += struct.calcsize(f"<{fmt}")
-        return values if len(values) > 1 else values[0]
-
     def many(self, fmt: str) -> tuple[Any, ...]:
         values = struct.unpack_from(f"<{fmt}", self.data, self.at)
         self.at += struct.calcsize(f"<{fmt}")
         return values
+
+    def take(self, fmt: str) -> Any:
+        """One value, or a tuple of several."""
+        values = self.many(fmt)
+        return values if len(values) > 1 else values[0]
 
     def bytes(self, n: int) -> memoryview:
         self.at += n
