@@ -46,7 +46,7 @@ import numpy as np
 
 from bench.common import emit
 from bench.train_paraphrase import FOLDS_PATH, pairs
-from extproc.cache.pairs import ADAPTED, ADAPTER_PATH, BASES, PairBase, pair_base
+from extproc.cache.pairs import ADAPTED, ADAPTER_PATH, BASES, PairBase, padded_batch, pair_base
 from extproc.routing.embedders import WORDS
 
 RANK, ALPHA = 16, 16.0
@@ -154,22 +154,17 @@ class Pairs:
     """The pairs as the tokenizer reads them: (query, stored) or the other way round."""
 
     def __init__(self, data: list[tuple[str, str, bool, str]], base: PairBase) -> None:
-        self.data, self.read = data, base.encode
+        self.data, self.read, self.pad_id = data, base.encode, base.pad_id
 
     def encode(self, index: int, swapped: bool) -> tuple[list[int], list[int]]:
         a, b, *_ = self.data[index]
         return self.read(b, a) if swapped else self.read(a, b)
 
 
-def padded(torch: Any, items: list[tuple[list[int], list[int]]]) -> tuple[Any, Any, Any]:
-    """One batch: token ids, segments and mask, padded to its longest pair."""
-    length = max(len(ids) for ids, _ in items)
-    ids = torch.zeros(len(items), length, dtype=torch.long)
-    types, mask = torch.zeros_like(ids), torch.zeros(len(items), length)
-    for row, (tokens, segments) in enumerate(items):
-        ids[row, :len(tokens)], types[row, :len(tokens)] = torch.tensor(tokens), torch.tensor(segments)
-        mask[row, :len(tokens)] = 1
-    return ids, types, mask
+def padded(torch: Any, items: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[Any, Any, Any]:
+    """One batch as torch tensors (``extproc.cache.pairs.padded_batch``)."""
+    ids, types, mask = padded_batch(items, pad_id)
+    return torch.from_numpy(ids), torch.from_numpy(types), torch.from_numpy(mask)
 
 
 def train(torch: Any, weights: dict[str, np.ndarray], layers: int, encoded: Pairs, rows: list[int], seed: int,
@@ -192,7 +187,7 @@ def train(torch: Any, weights: dict[str, np.ndarray], layers: int, encoded: Pair
         batches = [items[start:start + BATCH] for start in range(0, len(items), BATCH)]
         rng.shuffle(batches)
         for batch in batches:
-            logits = model(*padded(torch, [pair for _, pair in batch]))
+            logits = model(*padded(torch, [pair for _, pair in batch], encoded.pad_id))
             loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, same[[i for i, _ in batch]])
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -212,7 +207,7 @@ def score(torch: Any, model: Any, encoded: Pairs, rows: list[int], swapped: bool
     with torch.no_grad():
         for start in range(0, len(order), 128):
             chunk = order[start:start + 128]
-            out[chunk] = model(*padded(torch, [items[k] for k in chunk])).numpy()
+            out[chunk] = model(*padded(torch, [items[k] for k in chunk], encoded.pad_id)).numpy()
     return out
 
 

@@ -96,6 +96,19 @@ def pair_base(name: str = "minilm", model_dir: Path | None = None) -> PairBase:
     raise ValueError(f"no cross-encoder base {name!r}: one of {', '.join(BASES)}")
 
 
+def padded_batch(encoded: Sequence[tuple[list[int], list[int]]],
+                 pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Encoded pairs (``PairBase.encode``'s ids and segments) as one batch, padded to its longest
+    pair: token ids, segments (int64) and the mask (float32), trained and served alike."""
+    length = max(len(tokens) for tokens, _ in encoded)
+    ids = np.full((len(encoded), length), pad_id, dtype=np.int64)
+    types = np.zeros((len(encoded), length), dtype=np.int64)
+    mask = np.zeros((len(encoded), length), dtype=np.float32)
+    for row, (tokens, segments) in enumerate(encoded):
+        ids[row, :len(tokens)], types[row, :len(tokens)], mask[row, :len(tokens)] = tokens, segments, 1
+    return ids, types, mask
+
+
 class PairEncoder:
     """Log-odds that each (query, stored) pair asks for the same answer. ``logits`` is
     synchronous (milliseconds a pair): the cache calls it from its embedding thread."""
@@ -125,13 +138,7 @@ class PairEncoder:
         """Each pair's log-odds, one padded batch."""
         if not pairs:
             return np.zeros(0, dtype=np.float32)
-        encoded = [self.encode(query, stored) for query, stored in pairs]
-        length = max(len(tokens) for tokens, _ in encoded)  # padded to the batch's longest pair
-        ids = np.full((len(pairs), length), self.pad_id, dtype=np.int64)
-        types = np.zeros((len(pairs), length), dtype=np.int64)
-        mask = np.zeros((len(pairs), length), dtype=np.float32)
-        for row, (tokens, segments) in enumerate(encoded):
-            ids[row, :len(tokens)], types[row, :len(tokens)], mask[row, :len(tokens)] = tokens, segments, 1
+        ids, types, mask = padded_batch([self.encode(query, stored) for query, stored in pairs], self.pad_id)
         x = self.bert.states(ids, mask, types)
         mean = (x * mask[:, :, None]).sum(axis=1) / mask.sum(axis=1, keepdims=True)
         return np.concatenate([x[:, 0], mean], axis=1) @ self.head + self.head_bias
