@@ -46,6 +46,7 @@ import numpy as np
 
 from bench.common import emit
 from bench.train_paraphrase import FOLDS_PATH, pairs
+from extproc.cache.e5 import Q4Rows, dequantize
 from extproc.cache.pairs import ADAPTED, ADAPTER_PATH, BASES, PairBase, padded_batch, pair_base
 from extproc.routing.embedders import WORDS
 
@@ -228,8 +229,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     base = pair_base(args.base)
     weights = dict(base.weights)
-    if not isinstance(weights[WORDS], np.ndarray):  # e5's, kept in Q4_0: torch reads them whole
-        weights[WORDS] = weights[WORDS][np.arange(weights[WORDS].shape[0])]
+    if isinstance(weights[WORDS], Q4Rows):  # e5's, kept in Q4_0: torch reads them whole
+        weights[WORDS] = dequantize(weights[WORDS].blocks)
     data = pairs()
     encoded = Pairs(data, base)
     files = sorted(dict.fromkeys(name for *_, name in data))

@@ -32,8 +32,8 @@ import numpy as np
 from extproc.routing.embedders import Bert, minilm_weights
 
 ADAPTER_PATH = Path(__file__).with_name("pair_encoder.npz")
-MAX_TOKENS = 128  # the pair's tokens, both prompts and three special tokens; the longer one is cut first
-# The projections an adapter changes, by their names in the MiniLM weights.
+MAX_TOKENS = 128  # the pair's tokens, both prompts and the special tokens; the longer prompt is cut first
+# The projections an adapter changes, by their names in ``Bert``'s weights (either base's).
 ADAPTED = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
            "intermediate.dense", "output.dense")
 
@@ -49,7 +49,7 @@ def adapted_weights(base: dict[str, np.ndarray], adapter: dict[str, np.ndarray])
             target = name.removesuffix(".lora_a")
             delta = adapter[f"{target}.lora_b"].astype(np.float32) @ array.astype(np.float32)
             weights[target] = (base[target] + scale * delta).astype(np.float32)
-        elif not name.endswith(".lora_b") and not name.startswith(("head.", "lora_", "check.")) and name != "base":
+        elif not name.endswith(".lora_b") and not name.startswith(("head.", "lora_", "check.")):
             weights[name] = array.astype(np.float32)
     return weights
 
@@ -116,7 +116,7 @@ class PairEncoder:
     def __init__(self, adapter_path: Path = ADAPTER_PATH, model_dir: Path | None = None) -> None:
         with np.load(adapter_path) as stored:
             adapter = {name: stored[name] for name in stored.files}
-        base = pair_base(str(adapter.get("base", "minilm")), model_dir)
+        base = pair_base(str(adapter.pop("base", "minilm")), model_dir)  # the file's one entry not an array to fold
         self.bert = Bert(adapted_weights(base.weights, adapter), layers=base.layers)
         # Not the base's weights: once folded, only its tokenizer is kept.
         self.base_name, self.encode, self.pad_id = base.name, base.encode, base.pad_id
