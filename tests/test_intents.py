@@ -22,13 +22,13 @@ from aiohttp import web
 
 from extproc.routing import embedders
 from extproc.routing.embedders import (
+    Bert,
     EmbedderError,
     HashingEmbedder,
     HybridEmbedder,
     MiniLMEmbedder,
     RemoteEmbedder,
     build_embedder,
-    gelu,
 )
 from extproc.routing.intents import (
     FEATURES,
@@ -537,10 +537,61 @@ def test_minilm_without_its_package_says_how_to_install(tmp_path: Path, monkeypa
         build_embedder("minilm")
 
 
-def test_gelu_is_the_erf_form() -> None:
-    x = np.linspace(-12, 12, 4801, dtype=np.float32)
-    expected = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in x.astype(np.float64)])
-    np.testing.assert_allclose(gelu(x.copy()), expected, atol=1e-6)
+def _reference_states(weights: dict[str, np.ndarray], layers: int, ids: np.ndarray, mask: np.ndarray,
+                      types: np.ndarray) -> np.ndarray:
+    """HF BertModel's forward pass written out in float64 numpy, GELU by math.erf: what the ONNX
+    graph must compute."""
+    def norm(x: np.ndarray, prefix: str) -> np.ndarray:
+        x = x - x.mean(-1, keepdims=True)
+        x = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-12)
+        return x * weights[f"{prefix}.weight"] + weights[f"{prefix}.bias"]
+
+    def dense(x: np.ndarray, prefix: str) -> np.ndarray:
+        return x @ weights[f"{prefix}.weight"].T + weights[f"{prefix}.bias"]
+
+    erf = np.vectorize(math.erf)
+    x = norm(weights["embeddings.word_embeddings.weight"][ids] + weights["embeddings.position_embeddings.weight"][
+        :ids.shape[1]] + weights["embeddings.token_type_embeddings.weight"][types], "embeddings.LayerNorm")
+    batch, length, hidden = x.shape
+    for i in range(layers):
+        p = f"encoder.layer.{i}"
+        q, k, v = (dense(x, f"{p}.attention.self.{part}").reshape(batch, length, 12, hidden // 12).transpose(0, 2, 1, 3)
+                   for part in ("query", "key", "value"))
+        scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(hidden // 12) + ((1 - mask) * -1e9)[:, None, None, :]
+        scores = np.exp(scores - scores.max(-1, keepdims=True))
+        context = (scores / scores.sum(-1, keepdims=True) @ v).transpose(0, 2, 1, 3).reshape(batch, length, hidden)
+        x = norm(dense(context, f"{p}.attention.output.dense") + x, f"{p}.attention.output.LayerNorm")
+        inner = dense(x, f"{p}.intermediate.dense")
+        x = norm(dense(inner * (1 + erf(inner / math.sqrt(2))) / 2, f"{p}.output.dense") + x, f"{p}.output.LayerNorm")
+    return x
+
+
+def test_the_encoder_graph_computes_berts_layers() -> None:
+    """Random weights (two layers, hidden 48, 12 heads), a padded batch of two segments: the ONNX
+    Runtime graph's hidden states are the float64 reference's, for every real token."""
+    rng = np.random.default_rng(7)
+    hidden, inner, layers = 48, 96, 2
+    shapes = {"embeddings.word_embeddings.weight": (50, hidden), "embeddings.position_embeddings.weight": (16, hidden),
+              "embeddings.token_type_embeddings.weight": (2, hidden)}
+    for i in range(layers):
+        p = f"encoder.layer.{i}"
+        for name in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"):
+            shapes |= {f"{p}.{name}.weight": (hidden, hidden), f"{p}.{name}.bias": (hidden,)}
+        shapes |= {f"{p}.intermediate.dense.weight": (inner, hidden), f"{p}.intermediate.dense.bias": (inner,),
+                   f"{p}.output.dense.weight": (hidden, inner), f"{p}.output.dense.bias": (hidden,)}
+    weights = {name: (rng.standard_normal(shape) * 0.3).astype(np.float32) for name, shape in shapes.items()}
+    for prefix in ("embeddings", *(f"encoder.layer.{i}.{part}" for i in range(layers)
+                                   for part in ("attention.output", "output"))):
+        weights[f"{prefix}.LayerNorm.weight"] = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
+        weights[f"{prefix}.LayerNorm.bias"] = (0.1 * rng.standard_normal(hidden)).astype(np.float32)
+    ids = rng.integers(0, 50, (2, 9))
+    types = np.array([[0] * 4 + [1] * 5, [0] * 3 + [1] * 3 + [0] * 3])
+    mask = np.array([[1.0] * 9, [1.0] * 6 + [0.0] * 3], dtype=np.float32)  # the second row padded
+    states = Bert(weights, layers=layers).states(ids, mask, types)
+    expected = _reference_states({k: v.astype(np.float64) for k, v in weights.items()}, layers, ids, mask, types)
+    assert states.dtype == np.float32 and states.shape == (2, 9, hidden)
+    np.testing.assert_allclose(states[0], expected[0], atol=2e-4)
+    np.testing.assert_allclose(states[1, :6], expected[1, :6], atol=2e-4)  # padding's own states are not read
 
 
 # ---------------------------------------------------------------------------------------------

