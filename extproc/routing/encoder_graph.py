@@ -3,14 +3,14 @@
 LayerNorm), built from the weights already in memory, in float32, so the last hidden states match
 a plain numpy forward pass to float32 rounding.
 
-Why: numpy runs each matmul and element-wise step as its own Python call, with its own
-temporaries, and its BLAS reaches ~60 GFLOP/s on these short batches; ONNX Runtime runs the whole
-graph in one C++ call with its own GEMM (MLAS). Its graph optimizations (fused LayerNorm, GELU)
-made no difference worth measuring here. Same run, one thread, 300 training pairs: the semantic cache's cross-encoder (multilingual-e5-small, 12 layers, a pair read both
-ways) 24.5-25.5 ms a vote against 40.1-42.5 ms in numpy, votes equal to 4 decimals. Quantizing the
-weights to int8 (ONNX Runtime's dynamic quantization) cut that to 9.5-10 ms but moved votes by up
-to 3.4-4.1 log-odds (p99 2.3-2.7): the cross-encoder's threshold was fitted on float votes, so
-int8 is not used.
+Why: numpy runs each matmul and element-wise step as its own Python call, with its own temporaries,
+and its BLAS reaches ~60 GFLOP/s on these short batches; ONNX Runtime runs the whole graph in one
+C++ call with its own GEMM (MLAS). Its graph optimizations (fused LayerNorm, GELU) made no
+difference worth measuring here. Same run, one thread, 300 training pairs: the semantic cache's
+cross-encoder (multilingual-e5-small, 12 layers, a pair read both ways) 24.5-25.5 ms a vote against
+40.1-42.5 ms in numpy, votes equal to 4 decimals. Quantizing the weights to int8 (ONNX Runtime's
+dynamic quantization) cut that to 9.5-10 ms but moved votes by up to 3.4-4.1 log-odds (p99
+2.3-2.7): the cross-encoder's threshold was fitted on float votes, so int8 is not used.
 """
 
 from __future__ import annotations
