@@ -2,7 +2,7 @@
 ``extproc/cache/pair_encoder.npz``, or its cross-validation (``--folds``).
 
 Needs torch, at training time only (``pip install -e .[train]``, in a virtual environment of its
-own if you like: the gateway runs the result in numpy). On two CPU cores, with nothing beside it,
+own if you like: the gateway runs the result in ONNX Runtime). On two CPU cores, with nothing beside it,
 the final model over 16,215 pairs took 565 s (two passes over every pair), and ``--folds 4``'s
 four models 2,024 s in all.
 
@@ -52,7 +52,7 @@ from extproc.routing.embedders import WORDS
 
 RANK, ALPHA = 16, 16.0
 EPOCHS, BATCH, LEARNING_RATE, WEIGHT_DECAY, WARMUP = 2, 32, 5e-4, 0.01, 0.06
-CHECK_PAIRS = 16  # pairs whose torch log-odds ship with the weights, for the numpy forward pass to match
+CHECK_PAIRS = 16  # pairs whose torch log-odds ship with the weights, for the gateway's forward pass to match
 
 
 def pairs_digest(data: list[tuple[str, str, bool, str]]) -> str:

