@@ -357,7 +357,7 @@ class MultilingualEmbedder:
         """See ``Embedder.embed``."""
         if not texts:
             return np.zeros((0, 512), dtype=np.float32)
-        return _normalise(self._graph.embed(texts))
+        return self._graph.embed(texts)  # unit rows already (the graph's last step, as the package's)
 
 
 _SHARED_LOCK = threading.Lock()

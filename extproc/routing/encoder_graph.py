@@ -70,12 +70,13 @@ class UseGraph:
 
     TOKEN_BUDGET = 384
     ORDERS = ((2, 0), (3, 1), (5, 2))  # the CNN branches: (n-gram order, left context), the backend's
-    LEFT, RIGHT = 2, 2  # the widest window's reach either side of a token
+    LEFT = max(left for _, left in ORDERS)  # the widest window's reach either side of a token
+    RIGHT = max(order - 1 - left for order, left in ORDERS)
 
     def __init__(self, backend: Any) -> None:
         self._backend = backend
         self._chunks = len(backend.scale)  # the table's rows are interleaved over this many quantized blocks
-        self._session = _session(_use_model(backend, self.ORDERS, self.LEFT))
+        self._session = _session(_use_model(backend, self.ORDERS, self.LEFT, self.RIGHT))
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """(len(texts), 512) float32 unit rows."""
@@ -198,9 +199,9 @@ def _bert_model(layers: Sequence[EncoderLayer], heads: int, eps: float) -> Any:
     return g.model("bert_encoder", inputs, x, ["batch", "length", hidden])
 
 
-def _use_model(backend: Any, orders: Sequence[tuple[int, int]], left: int) -> Any:
+def _use_model(backend: Any, orders: Sequence[tuple[int, int]], left: int, right: int) -> Any:
     """The backend's ``_encode_batch`` as a graph: ``embedded`` (tokens, 512), ``window`` (tokens,
-    5: the positions each n-gram reads, ``tokens`` for none), ``segments`` (texts, tokens: 1 where a
+    ``left + 1 + right``: the positions each n-gram reads, ``tokens`` for none), ``segments`` (texts, tokens: 1 where a
     token is the text's) and ``lengths`` (texts, 1) in, unit vectors (texts, 512) out."""
     g = _Graph()
     const, node = g.const, g.node
@@ -253,7 +254,7 @@ def _use_model(backend: Any, orders: Sequence[tuple[int, int]], left: int) -> An
                                            keepdims=1), const("eps", np.float32(backend.eps))])])
     return g.model("use_m3", [
         helper.make_tensor_value_info("embedded", TensorProto.FLOAT, ["tokens", 512]),
-        helper.make_tensor_value_info("window", TensorProto.INT64, ["tokens", 5]),
+        helper.make_tensor_value_info("window", TensorProto.INT64, ["tokens", left + 1 + right]),
         helper.make_tensor_value_info("segments", TensorProto.FLOAT, ["texts", "tokens"]),
         helper.make_tensor_value_info("lengths", TensorProto.FLOAT, ["texts", 1])],
         node("Div", [z, norm]), ["texts", 512])
