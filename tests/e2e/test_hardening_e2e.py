@@ -21,6 +21,7 @@ import pytest
 
 from extproc.launcher import LocalStack, StackInfo
 from tests.e2e.conftest import MODEL, small_stack
+from tests.helpers import wait_for
 
 BIG_KEY, SMALL_KEY, SOLO_KEY, FREE_KEY = "sk-big-tenant", "sk-small-tenant", "sk-solo-tenant", "sk-free-tenant"
 TENANTS = [
@@ -190,10 +191,17 @@ def test_deep_json_is_a_400_and_leaks_no_slot(stack: tuple[StackInfo, LocalStack
             error = response.json()["error"]
             assert error["code"] in ("invalid_value", "invalid_json") and error["param"] in ("metadata.x", None) \
                 or error["param"].startswith("metadata.x[0]"), error
-            # The solo tenant's one concurrency slot is free: the next request is served at once.
-            ok = client.post("/v1/chat/completions", headers=_auth(key),
-                             json={"model": "gpt-4o-mini", "messages": HELLO, "max_tokens": 1})
-            assert ok.status_code == 200, ok.text
+            # The solo tenant's one concurrency slot is free: the next request is served well within
+            # the lease's 60 s TTL, which is what would free a leaked slot. The previous loop's
+            # served request frees it by its access-log entry, which a CPU hog can delay past the
+            # client's next request (a 429 with retry-after); so it waits on the condition.
+            def served() -> bool:
+                ok = client.post("/v1/chat/completions", headers=_auth(key),
+                                 json={"model": "gpt-4o-mini", "messages": HELLO, "max_tokens": 1})
+                assert ok.status_code in (200, 429), ok.text
+                return ok.status_code == 200
+
+            wait_for(f"a request of {key} served after the depth-{depth} 400", served, timeout=10.0, interval=0.05)
 
 
 # -- pods that die or hang ----------------------------------------------------------------------
