@@ -368,3 +368,22 @@ def test_two_prompts_unrelated_in_meaning_are_never_served() -> None:
     query = index.prepare("In CSS, how can I center a div both vertically and horizontally?")
     assert query.meaning is not None and float(query.meaning @ index.prepare(stored).meaning) < model.min_meaning
     assert index.match("t", query) is None
+
+
+def test_the_crowded_measure_leaves_a_stored_prompt_to_its_exact_key() -> None:
+    """bench.cache_semantic.crowded: a rewording that is word for word another pair's stored prompt
+    is the exact key's hit in the gateway (the semantic index is never asked), so it is counted
+    apart, outside the index's hits, precision and recall."""
+    from rich.progress import Progress
+
+    from bench.cache_semantic import Pair, crowded
+
+    pairs = [Pair("how long does a cold last", "how many days does a common cold usually last", True, "paraphrase",
+                  "en", "w"),
+             Pair("how long is a cold contagious", "how long does a cold last", False, "question_type", "en", "w"),
+             Pair("what is the capital of france", "capital city of spain", False, "entity", "en", "w")]
+    with Progress(disable=True) as progress:
+        result = crowded(pairs, 1, progress)["all"]
+    assert result["exact"] == 1 and result["on_another_pair"] == 0
+    assert result["false_hits"] == 0 and result["hits"] <= 1
+    assert result["recall"] == result["hits"]  # one paraphrase the index could serve: 0 or 1 of 1
