@@ -21,7 +21,8 @@ A hand-written guard (1.1k lines of rules and word lists: names, form, direction
 kinds, one-stretch edits, antonym families) was the check before the learned one. It was written
 against this project's own pairs and did not carry over: on the frozen blind pairs it served 193
 hits at precision 74.1% and recall 52.4%, where the learned check then served 144 at 100% and
-52.7% (one pair at a time; the README has its figures now, crowded too). It was removed; the
+52.7% (one pair at a time; the README has the check's figures now, crowded too, and
+docs/semantic-quality.md their history). It was removed; the
 learned check's vetoes are the part of it that generalizes.
 """
 
