@@ -24,9 +24,15 @@ recall. Full partition: one lookup of a prepared prompt
 against 10,000 stored prompts (random vectors beside real prompts' features): the search and the
 check alone.
 
-Prints one JSON line; writes docs/cache-semantic.png.
+``--newer``: the same check on ``bench/data/paraphrases_next/``, four writers' pairs the shipped
+models never trained on (out of sample; mostly one topic asked two ways), pairwise at each
+operating point and crowded, alone and beside ``--distractors`` prompts of the training files in
+every partition (a busy cache's other traffic): a hit on one counts false and is listed, since
+some of them ask what the lookup asks.
 
-    python -m bench.cache_semantic [--rounds 3]
+Prints one JSON line; writes docs/cache-semantic.png (not with ``--newer``).
+
+    python -m bench.cache_semantic [--rounds 3] [--newer [--distractors 2000,8000]]
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ from extproc.routing.embedders import Embedder, build_embedder
 
 DATA = Path(__file__).parent / "data"
 OWN = {"own": DATA / "paraphrases.yaml", "fresh": DATA / "paraphrases_fresh.yaml"}
+NEWER = DATA / "paraphrases_next"  # four writers' pairs the shipped models never trained on
+READ = NEWER / "distractor_hits_read.yaml"  # ``--newer``'s hits on other traffic, read by hand
 PLOT = Path(__file__).parent.parent / "docs" / "cache-semantic.png"
 BATCH = 32  # texts per embed call
 
@@ -71,8 +79,28 @@ class Pair:
 
 def load(name: str) -> list[Pair]:
     """The labelled pairs of one of ``OWN``'s files."""
-    return [Pair(p["a"], p["b"], bool(p["same"]), p["kind"], str(p["lang"]), name)
-            for p in yaml.safe_load(OWN[name].read_text())["pairs"]]
+    return _pairs(OWN[name], name)
+
+
+def _pairs(path: Path, split: str) -> list[Pair]:
+    return [Pair(p["a"], p["b"], bool(p["same"]), p["kind"], str(p["lang"]), split)
+            for p in yaml.safe_load(path.read_text())["pairs"]]
+
+
+def load_newer() -> list[Pair]:
+    """``NEWER``'s pairs, one split a writer (file)."""
+    return [pair for path in sorted(NEWER.glob("paraphrases_*.yaml")) for pair in _pairs(path, path.stem)]
+
+
+def distractor_prompts(count: int, pairs: list[Pair]) -> list[str]:
+    """``count`` prompts of the training files (``paraphrases*.yaml``) that are none of ``pairs``'
+    prompts, drawn with a fixed seed: other writers' traffic on the same everyday topics."""
+    own = {text for pair in pairs for text in (pair.a, pair.b)}
+    prompts = [text for path in sorted(DATA.glob("paraphrases*.yaml")) for pair in _pairs(path, path.stem)
+               for text in (pair.a, pair.b) if text not in own]
+    drawn = list(dict.fromkeys(prompts))
+    np.random.default_rng(0).shuffle(drawn)
+    return drawn[:count]
 
 
 def figures(hit: np.ndarray, same: np.ndarray) -> dict[str, Any]:
@@ -132,26 +160,36 @@ def evaluate(pairs: list[Pair] | None = None, *, progress: Progress | None = Non
     return result
 
 
-def crowded(pairs: list[Pair], rounds: int, progress: Progress, candidates: int = DEFAULT_CANDIDATES
-            ) -> dict[str, Any]:
+def crowded(pairs: list[Pair], rounds: int, progress: Progress, candidates: int = DEFAULT_CANDIDATES,
+            distractors: list[str] | None = None) -> dict[str, Any]:
     """Each split's ``a`` prompts in one partition (a split: one set or writer), every ``b`` prompt
     looked up from its text (``candidates``: how many stored prompts the check is offered): the
     cost of one ``match`` (median and p90 milliseconds), and the hits, a hit on another pair's
-    ``a`` counted false; a ``b`` stored word for word is the exact key's (``exact``), not the
-    index's, as in the gateway."""
+    ``a`` counted false; a ``b`` stored word for word (a pair's ``a`` or a distractor) is the exact
+    key's (``exact``), not the index's, as in the gateway. ``distractors``: more prompts stored in
+    every partition first (a busy cache's other traffic); a hit on one is counted false too, and
+    listed (``on_distractor``, ``distractor_hits``: some ask what the lookup asks, which only
+    reading them tells)."""
     spec = SemanticCacheSpec()
-    index = SemanticIndex(build_embedder(spec.embedder), spec.threshold, candidates=candidates)
+    index = SemanticIndex(build_embedder(spec.embedder), spec.threshold, candidates=candidates,
+                          capacity=max(DEFAULT_CAPACITY, len(pairs) + len(distractors or ())))
+    splits = list(dict.fromkeys(p.split for p in pairs))
+    for prompt in index.prepare_many(list(distractors or ())):
+        for split in splits:
+            index.add(split, prompt, prompt.text.encode())
     stored = list(dict.fromkeys((p.split, p.a) for p in pairs))
     prepared = index.prepare_many([text for _, text in stored])
     for (split, _), prompt in zip(stored, prepared, strict=True):
         index.add(split, prompt, prompt.text.encode())
     stored_set = set(stored)
-    exact = np.array([(p.split, p.b) in stored_set for p in pairs])
+    distracting = set(distractors or ())
+    exact = np.array([(p.split, p.b) in stored_set or p.b in distracting for p in pairs])
     task = progress.add_task("crowded lookups", total=rounds * len(pairs))
     times = []
     hit = np.zeros(len(pairs), dtype=bool)
     right = np.zeros(len(pairs), dtype=bool)
     other = np.zeros(len(pairs), dtype=bool)
+    on_distractor: list[dict[str, Any]] = []
     for round_ in range(rounds):
         for i, pair in enumerate(pairs):
             if exact[i]:  # the exact key answers it; the gateway never asks the index
@@ -163,18 +201,25 @@ def crowded(pairs: list[Pair], rounds: int, progress: Progress, candidates: int 
             progress.advance(task)
             if round_ == 0 and found is not None:
                 hit[i], right[i], other[i] = True, found.text == pair.a and pair.same, found.text != pair.a
+                if found.text in distracting:
+                    on_distractor.append({"lookup": pair.b, "stored": found.text, "cosine": found.score})
     times.sort()
     same = np.array([p.same for p in pairs])
     out: dict[str, Any] = {"entries": sum(index.size(split) for split in dict.fromkeys(p.split for p in pairs))}
     for split in [*dict.fromkeys(p.split for p in pairs), "all"]:
         rows = np.array([split in ("all", p.split) for p in pairs])
         hits, true_hits = int(hit[rows].sum()), int(right[rows].sum())
+        positives = int((same & rows & ~exact).sum())
         out[split] = {"precision": round(true_hits / hits, 4) if hits else None,
-                      "recall": round(true_hits / int((same & rows & ~exact).sum()), 4), "hits": hits,
+                      "recall": round(true_hits / positives, 4) if positives else None, "hits": hits,
                       "false_hits": hits - true_hits, "on_another_pair": int(other[rows].sum()),
                       "exact": int(exact[rows].sum())}
     out["lookup_ms"] = {"median": round(statistics.median(times) * 1e3, 2),
                         "p90": round(times[int(0.9 * len(times))] * 1e3, 2)}
+    if distractors:
+        out["distractors"] = len(distractors)
+        out["on_distractor"] = len(on_distractor)
+        out["distractor_hits"] = on_distractor
     return out
 
 
@@ -243,7 +288,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.cache_semantic", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3, help="timed passes over the b prompts")
+    parser.add_argument("--newer", action="store_true",
+                        help=f"the shipped check on {NEWER.name}/ (never trained on): pairwise, crowded, and crowded "
+                             "beside --distractors other prompts (hits on them listed in the JSON, to read)")
+    parser.add_argument("--distractors", type=lambda v: [int(n) for n in v.split(",")], default=[2000, 8000])
     args = parser.parse_args()
+    if args.newer:
+        newer(args.distractors)
+        return
     pairs = load("own") + load("fresh")
     before = calibration_ms()
     result: dict[str, Any] = {"pairs": {split: {"pairs": sum(p.split == split for p in pairs),
@@ -259,6 +311,35 @@ def main() -> None:
     result["calibration_ms"] = {"before": before, "after": calibration_ms()}
     plot(result["at_precision"], PLOT)
     emit("cache_semantic", result)
+
+
+def newer(counts: list[int]) -> None:
+    """``--newer``: out-of-sample figures on the newer writers' pairs, crowded as the partition fills."""
+    pairs = load_newer()
+    result: dict[str, Any] = {"pairs": len(pairs), "same": sum(p.same for p in pairs), "in_sample": False}
+    with Progress(transient=True, console=Console(stderr=True)) as progress:
+        embedder = build_embedder(SemanticCacheSpec().embedder)
+        result["at_precision"] = {str(point): evaluate(pairs, progress=progress, precision=point, embedder=embedder)
+                                  for point in OPERATING_POINTS}
+        result["crowded"] = {str(count): crowded(pairs, 1, progress, distractors=distractor_prompts(count, pairs))
+                             for count in [0, *counts]}
+    for run in result["crowded"].values():
+        if "distractor_hits" in run:
+            run["read"] = read_by_hand(run)
+    emit("cache_semantic_newer", result)
+
+
+def read_by_hand(run: dict[str, Any]) -> dict[str, Any]:
+    """A crowded run's precision with its hits on distractors judged as ``READ`` judged them (one
+    not there counts wrong): how many were read, how many asked something else, and the precision
+    with the right ones counted right."""
+    read = {(h["lookup"], h["stored"]): bool(h["same"]) for h in yaml.safe_load(READ.read_text())["hits"]}
+    verdicts = [read.get((h["lookup"], h["stored"])) for h in run["distractor_hits"]]
+    right = sum(v is True for v in verdicts)
+    every = run["all"]
+    true_hits = every["hits"] - every["false_hits"] + right
+    return {"read": sum(v is not None for v in verdicts), "same": right, "different": sum(v is False for v in verdicts),
+            "precision": round(true_hits / every["hits"], 4) if every["hits"] else None}
 
 
 if __name__ == "__main__":

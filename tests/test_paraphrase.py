@@ -387,3 +387,24 @@ def test_the_crowded_measure_leaves_a_stored_prompt_to_its_exact_key() -> None:
     assert result["exact"] == 1 and result["on_another_pair"] == 0
     assert result["false_hits"] == 0 and result["hits"] <= 1
     assert result["recall"] == result["hits"]  # one paraphrase the index could serve: 0 or 1 of 1
+
+
+def test_the_crowded_measure_counts_and_lists_hits_on_other_traffic() -> None:
+    """Distractors (a busy cache's other traffic) sit in every partition; a hit on one is counted
+    false and listed for reading, since it may ask what the lookup asks."""
+    from rich.progress import Progress
+
+    from bench.cache_semantic import Pair, crowded, distractor_prompts, load_newer
+
+    pairs = [Pair("what is the capital of france", "capital city of france?", True, "paraphrase", "en", "w"),
+             Pair("how do i boil an egg", "how many teaspoons in a cup", False, "unrelated", "en", "v")]
+    with Progress(disable=True) as progress:
+        result = crowded(pairs, 1, progress, distractors=["How many teaspoons in a cup?"])
+    assert result["distractors"] == 1 and result["on_distractor"] == len(result["distractor_hits"]) == 1
+    assert result["distractor_hits"][0]["stored"] == "How many teaspoons in a cup?"
+    assert result["all"]["false_hits"] >= 1 and result["v"]["hits"] == 1
+    # Drawn from the training files, never one of the pairs' own prompts, the same each time.
+    newer = load_newer()
+    drawn = distractor_prompts(50, newer)
+    assert len(drawn) == 50 == len(set(drawn)) and drawn == distractor_prompts(50, newer)
+    assert not set(drawn) & {text for pair in newer for text in (pair.a, pair.b)}
