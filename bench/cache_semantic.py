@@ -161,7 +161,7 @@ def evaluate(pairs: list[Pair] | None = None, *, progress: Progress | None = Non
 
 
 def crowded(pairs: list[Pair], rounds: int, progress: Progress, candidates: int = DEFAULT_CANDIDATES,
-            distractors: list[str] | None = None) -> dict[str, Any]:
+            distractors: list[str] | None = None, precision: float | None = None) -> dict[str, Any]:
     """Each split's ``a`` prompts in one partition (a split: one set or writer), every ``b`` prompt
     looked up from its text (``candidates``: how many stored prompts the check is offered): the
     cost of one ``match`` (median and p90 milliseconds), and the hits, a hit on another pair's
@@ -169,10 +169,11 @@ def crowded(pairs: list[Pair], rounds: int, progress: Progress, candidates: int 
     key's (``exact``), not the index's, as in the gateway. ``distractors``: more prompts stored in
     every partition first (a busy cache's other traffic); a hit on one is counted false too, and
     listed (``on_distractor``, ``distractor_hits``: some ask what the lookup asks, which only
-    reading them tells)."""
-    spec = SemanticCacheSpec()
+    reading them tells). ``precision``: the learned check's operating point (default: its model's)."""
+    spec = SemanticCacheSpec(precision=precision)
     index = SemanticIndex(build_embedder(spec.embedder), spec.threshold, candidates=candidates,
-                          capacity=max(DEFAULT_CAPACITY, len(pairs) + len(distractors or ())))
+                          capacity=max(DEFAULT_CAPACITY, len(pairs) + len(distractors or ())),
+                          precision=spec.precision)
     splits = list(dict.fromkeys(p.split for p in pairs))
     for prompt in index.prepare_many(list(distractors or ())):
         for split in splits:
@@ -323,7 +324,11 @@ def newer(counts: list[int]) -> None:
                                   for point in OPERATING_POINTS}
         result["crowded"] = {str(count): crowded(pairs, 1, progress, distractors=distractor_prompts(count, pairs))
                              for count in [0, *counts]}
-    for run in result["crowded"].values():
+        # The strictest operating point beside the most traffic: what an operator of a busy cache can pick.
+        strict, most = max(OPERATING_POINTS), max([0, *counts])
+        result[f"crowded_at_{strict}"] = {str(most): crowded(pairs, 1, progress, precision=strict,
+                                                             distractors=distractor_prompts(most, pairs))}
+    for run in [*result["crowded"].values(), *result[f"crowded_at_{strict}"].values()]:
         if "distractor_hits" in run:
             run["read"] = read_by_hand(run)
     emit("cache_semantic_newer", result)
