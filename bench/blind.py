@@ -43,7 +43,7 @@ import httpx
 import yaml
 from rich.progress import Progress
 
-from bench.cache_semantic import Pair, crowded, evaluate
+from bench.cache_semantic import Pair, crowded, evaluate, load_pairs
 from bench.common import emit
 from extproc.cache.semantic import SemanticIndex
 from extproc.config import SemanticCacheSpec, parse_config
@@ -150,12 +150,8 @@ def route_through_stack(name: str, blind: dict[str, Any], lane: str, progress: P
 
 def cache_pairs() -> list[Pair]:
     """Every writer's pairs (``split`` is the writer)."""
-    pairs = []
-    for path in sorted(BLIND.glob("cache_pairs_*.yaml")):
-        writer = path.stem.removeprefix("cache_pairs_")
-        pairs += [Pair(p["a"], p["b"], bool(p["same"]), p["kind"], str(p["lang"]), writer)
-                  for p in yaml.safe_load(path.read_text())["pairs"]]
-    return pairs
+    return [pair for path in sorted(BLIND.glob("cache_pairs_*.yaml"))
+            for pair in load_pairs(path, path.stem.removeprefix("cache_pairs_"))]
 
 
 def cache_blind(progress: Progress, precision: float | None = None) -> dict[str, Any]:

@@ -79,24 +79,25 @@ class Pair:
 
 def load(name: str) -> list[Pair]:
     """The labelled pairs of one of ``OWN``'s files."""
-    return _pairs(OWN[name], name)
+    return load_pairs(OWN[name], name)
 
 
-def _pairs(path: Path, split: str) -> list[Pair]:
+def load_pairs(path: Path, split: str) -> list[Pair]:
+    """The labelled pairs of one file (``pairs:`` of a, b, same, kind, lang), all in ``split``."""
     return [Pair(p["a"], p["b"], bool(p["same"]), p["kind"], str(p["lang"]), split)
             for p in yaml.safe_load(path.read_text())["pairs"]]
 
 
 def load_newer() -> list[Pair]:
     """``NEWER``'s pairs, one split a writer (file)."""
-    return [pair for path in sorted(NEWER.glob("paraphrases_*.yaml")) for pair in _pairs(path, path.stem)]
+    return [pair for path in sorted(NEWER.glob("paraphrases_*.yaml")) for pair in load_pairs(path, path.stem)]
 
 
 def distractor_prompts(count: int, pairs: list[Pair]) -> list[str]:
     """``count`` prompts of the training files (``paraphrases*.yaml``) that are none of ``pairs``'
     prompts, drawn with a fixed seed: other writers' traffic on the same everyday topics."""
     own = {text for pair in pairs for text in (pair.a, pair.b)}
-    prompts = [text for path in sorted(DATA.glob("paraphrases*.yaml")) for pair in _pairs(path, path.stem)
+    prompts = [text for path in sorted(DATA.glob("paraphrases*.yaml")) for pair in load_pairs(path, path.stem)
                for text in (pair.a, pair.b) if text not in own]
     drawn = list(dict.fromkeys(prompts))
     np.random.default_rng(0).shuffle(drawn)
