@@ -207,8 +207,8 @@ def crowded(pairs: list[Pair], rounds: int, progress: Progress, candidates: int 
                     on_distractor.append({"lookup": pair.b, "stored": found.text, "cosine": found.score})
     times.sort()
     same = np.array([p.same for p in pairs])
-    out: dict[str, Any] = {"entries": sum(index.size(split) for split in dict.fromkeys(p.split for p in pairs))}
-    for split in [*dict.fromkeys(p.split for p in pairs), "all"]:
+    out: dict[str, Any] = {"entries": sum(index.size(split) for split in splits)}
+    for split in [*splits, "all"]:
         rows = np.array([split in ("all", p.split) for p in pairs])
         hits, true_hits = int(hit[rows].sum()), int(right[rows].sum())
         positives = int((same & rows & ~exact).sum())
