@@ -323,12 +323,12 @@ def newer(counts: list[int]) -> None:
         embedder = build_embedder(SemanticCacheSpec().embedder)
         result["at_precision"] = {str(point): evaluate(pairs, progress=progress, precision=point, embedder=embedder)
                                   for point in OPERATING_POINTS}
-        result["crowded"] = {str(count): crowded(pairs, 1, progress, distractors=distractor_prompts(count, pairs))
+        strict, most = max(OPERATING_POINTS), max([0, *counts])
+        drawn = distractor_prompts(most, pairs)  # one seeded draw: each smaller count takes its first prompts
+        result["crowded"] = {str(count): crowded(pairs, 1, progress, distractors=drawn[:count])
                              for count in [0, *counts]}
         # The strictest operating point beside the most traffic: what an operator of a busy cache can pick.
-        strict, most = max(OPERATING_POINTS), max([0, *counts])
-        result[f"crowded_at_{strict}"] = {str(most): crowded(pairs, 1, progress, precision=strict,
-                                                             distractors=distractor_prompts(most, pairs))}
+        result[f"crowded_at_{strict}"] = {str(most): crowded(pairs, 1, progress, precision=strict, distractors=drawn)}
     for run in [*result["crowded"].values(), *result[f"crowded_at_{strict}"].values()]:
         if "distractor_hits" in run:
             run["read"] = read_by_hand(run)
